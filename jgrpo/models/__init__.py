@@ -1,0 +1,27 @@
+"""The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3) with HF weights in and out.
+
+Public API: `from_pretrained(path, dtype="float32")`, `save_pretrained(model, path)`,
+`Transformer`, `TransformerConfig`, `KVCache`, `init_cache`.
+"""
+
+from jgrpo.models.hf import (
+    ModelFormatError,
+    config_from_hf,
+    config_to_hf,
+    from_pretrained,
+    save_pretrained,
+)
+from jgrpo.models.transformer import KVCache, RopeScaling, Transformer, TransformerConfig, init_cache
+
+__all__ = [
+    "KVCache",
+    "ModelFormatError",
+    "RopeScaling",
+    "Transformer",
+    "TransformerConfig",
+    "config_from_hf",
+    "config_to_hf",
+    "from_pretrained",
+    "init_cache",
+    "save_pretrained",
+]

@@ -1,0 +1,274 @@
+"""The decoder-only transformer (Llama / Qwen2 / Qwen3 families) in Flax NNX.
+
+Covers HF LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (q/k RMSNorm,
+explicit head_dim): RMSNorm, RoPE (default and llama3 scaling), GQA/MQA, SwiGLU, tied or untied
+embeddings, float32 or bfloat16 parameters. Numerics follow transformers' PyTorch forward:
+norms, softmax and RoPE tables in float32, logits returned in float32.
+
+Layers are stored stacked along a leading `layers` axis and run with `lax.scan`, so a 30-layer
+model compiles as fast as a 2-layer one. Every parameter carries logical axis names in its
+`logical_axes` metadata; `jgrpo.sharding` maps them to mesh axes.
+
+Shape legend: b batch rows, t query tokens, s key slots, d model, n query heads, k kv heads,
+g query heads per kv head, h head dim, f mlp, v vocab, l layers.
+
+Two entry points:
+- `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv: causal
+  attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
+  positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
+- `model.decode(input_ids_bt, positions_bt, kv_mask_bs, cache, cache_index)` -> (logits, cache):
+  writes the new tokens' keys/values into the KV cache at slot `cache_index` and attends over
+  every cache slot `s` with `kv_mask_bs[b, s]` and `s <= cache_index + t` (the sampler's path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_MASK_VALUE = -1e30  # finite: a fully masked (padding) query row gives a uniform softmax, not NaN
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """llama3 RoPE frequency scaling (transformers' `_compute_llama3_parameters`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Architecture hyperparameters (hashable: it is a static argument of jitted functions)."""
+
+    family: str
+    """HF model_type: llama | qwen2 | qwen3."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """q/k/v projections carry biases (Qwen2, or Llama with attention_bias)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"
+    """Parameter and activation dtype: float32 | bfloat16."""
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: Optional[int] = None
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys and values: [l, b, s, k, h]."""
+
+    k_lbskh: jax.Array
+    v_lbskh: jax.Array
+
+
+def init_cache(cfg: TransformerConfig, batch_size: int, max_len: int) -> KVCache:
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    zeros = jnp.zeros(shape, cfg.jnp_dtype)
+    return KVCache(zeros, zeros)
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def rms_norm(x, weight, eps):
+    """HF RMSNorm: normalise in float32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
+    """Inverse frequencies [h/2] in float32, as transformers computes them."""
+    exponent = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** exponent)).astype(np.float32)
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_btnh, positions_bt, inv_freq_h2):
+    """Rotate-half RoPE (HF layout: the two halves of head_dim pair up)."""
+    freqs_bth2 = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h2
+    emb_bth = jnp.concatenate([freqs_bth2, freqs_bth2], axis=-1)
+    cos, sin = jnp.cos(emb_bth)[:, :, None, :], jnp.sin(emb_bth)[:, :, None, :]
+    x1, x2 = jnp.split(x_btnh, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x_btnh.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x_btnh.dtype)
+
+
+def attention(q_btnh, k_bskh, v_bskh, mask_bts):
+    """Grouped-query softmax attention; scores and softmax in float32."""
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    scores_bkgts = jnp.einsum(
+        "btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32
+    ) / np.float32(math.sqrt(h))
+    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
+    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    return out_btkgh.reshape(b, t, n, h)
+
+
+def _dense(x, w, b=None):
+    y = jnp.einsum("btd,d...->bt...", x, w)
+    return y if b is None else y + b
+
+
+def _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq):
+    h_btd = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
+    q = _dense(h_btd, p["q"], p.get("q_bias"))
+    k = _dense(h_btd, p["k"], p.get("k_bias"))
+    v = _dense(h_btd, p["v"], p.get("v_bias"))
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+
+
+def _layer_out(p, cfg, x_btd, attn_btnh):
+    x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
+    h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
+    gate_btf = jax.nn.silu(_dense(h_btd, p["gate"]))
+    up_btf = _dense(h_btd, p["up"])
+    return x_btd + jnp.einsum("btf,fd->btd", gate_btf * up_btf, p["down"])
+
+
+# ----------------------------------------------------------------------------- the module
+
+
+def _param(rngs, shape, axes, dtype, scale):
+    if scale is None:  # norm weights start at one
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. Parameters are stacked over layers (see module docstring)."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, init_scale: float = 0.02):
+        self.cfg = cfg
+        d, f, n, k, h, l, v = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.num_layers,
+            cfg.vocab_size,
+        )
+        dt, s = cfg.jnp_dtype, init_scale
+        self.embed = _param(rngs, (v, d), ("vocab", "embed"), dt, s)
+        layers = {
+            "attn_norm": _param(rngs, (l, d), ("layers", "norm"), dt, None),
+            "q": _param(rngs, (l, d, n, h), ("layers", "embed", "heads", "head_dim"), dt, s),
+            "k": _param(rngs, (l, d, k, h), ("layers", "embed", "kv_heads", "head_dim"), dt, s),
+            "v": _param(rngs, (l, d, k, h), ("layers", "embed", "kv_heads", "head_dim"), dt, s),
+            "o": _param(rngs, (l, n, h, d), ("layers", "heads", "head_dim", "embed"), dt, s),
+            "mlp_norm": _param(rngs, (l, d), ("layers", "norm"), dt, None),
+            "gate": _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt, s),
+            "up": _param(rngs, (l, d, f), ("layers", "embed", "mlp"), dt, s),
+            "down": _param(rngs, (l, f, d), ("layers", "mlp", "embed"), dt, s),
+        }
+        if cfg.attention_bias:
+            layers["q_bias"] = _param(rngs, (l, n, h), ("layers", "heads", "head_dim"), dt, s)
+            layers["k_bias"] = _param(rngs, (l, k, h), ("layers", "kv_heads", "head_dim"), dt, s)
+            layers["v_bias"] = _param(rngs, (l, k, h), ("layers", "kv_heads", "head_dim"), dt, s)
+        if cfg.qk_norm:
+            layers["q_norm"] = _param(rngs, (l, h), ("layers", "head_dim"), dt, None)
+            layers["k_norm"] = _param(rngs, (l, h), ("layers", "head_dim"), dt, None)
+        self.layers = nnx.Dict(layers)
+        self.final_norm = _param(rngs, (d,), ("norm",), dt, None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), dt, s)
+
+    def _layer_params(self):
+        return {name: p[...] for name, p in self.layers.items()}
+
+    def _logits(self, x_btd):
+        x_btd = rms_norm(x_btd, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_word_embeddings:
+            head_dv = self.embed[...].T
+        else:
+            head_dv = self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+        cfg = self.cfg
+        b, t = input_ids_bt.shape
+        if attention_mask_bt is None:
+            attention_mask_bt = jnp.ones((b, t), jnp.bool_)
+        mask_bt = attention_mask_bt.astype(jnp.bool_)
+        if positions_bt is None:
+            positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=-1) - 1, 0)
+        causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        mask_bts = causal_ts[None] & mask_bt[:, None, :]
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a trace-time constant, not state
+
+        def layer(x_btd, p):
+            q, k, v = _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq)
+            return _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts)), None
+
+        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
+        x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
+        return self._logits(x_btd)
+
+    def decode(self, input_ids_bt, positions_bt, kv_mask_bs, cache: KVCache, cache_index):
+        """Forward `t` new tokens against the cache; returns (logits_btv, updated cache)."""
+        cfg = self.cfg
+        t = input_ids_bt.shape[1]
+        s = cache.k_lbskh.shape[2]
+        slot_s = jnp.arange(s)
+        query_slot_t = cache_index + jnp.arange(t)
+        mask_bts = (slot_s[None, :] <= query_slot_t[:, None])[None] & kv_mask_bs[:, None, :]
+        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a trace-time constant, not state
+
+        def layer(x_btd, xs):
+            p, k_cache, v_cache = xs
+            q, k, v = _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq)
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k, cache_index, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v, cache_index, axis=1)
+            out = _layer_out(p, cfg, x_btd, attention(q, k_cache, v_cache, mask_bts))
+            return out, (k_cache, v_cache)
+
+        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
+        xs = (self._layer_params(), cache.k_lbskh, cache.v_lbskh)
+        x_btd, (k_new, v_new) = jax.lax.scan(layer, x_btd, xs)
+        return self._logits(x_btd), KVCache(k_new, v_new)

@@ -1,0 +1,189 @@
+"""The model against transformers' PyTorch forward (float32, 1e-4 max abs), and HF folders in/out."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jgrpo.models import ModelFormatError, from_pretrained, init_cache, save_pretrained
+
+TOL = 1e-4
+
+BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=96,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+
+CASES = {
+    "llama_gqa_untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama_mqa_tied": ("llama", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "llama3_rope_scaling": (
+        "llama",
+        dict(
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "qwen2_tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2_untied_mha": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen3_head_dim": ("qwen3", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+}
+
+CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+
+def make_hf_model(family, extra, seed=0):
+    """A random HF model with weights large enough that logits are O(1)."""
+    cfg = CONFIG_CLASSES[family](**BASE, **extra, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def hf_pair(request, tmp_path_factory):
+    family, extra = CASES[request.param]
+    hf_model = make_hf_model(family, extra)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(folder)
+    return request.param, hf_model, folder
+
+
+def hf_logits(model, ids, mask=None, positions=None):
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = torch.tensor(mask)
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor(positions)
+    with torch.no_grad():
+        return model(torch.tensor(ids), **kwargs).logits.numpy()
+
+
+def test_logits_match_transformers(hf_pair):
+    name, hf_model, folder = hf_pair
+    model = from_pretrained(folder)
+    seq = 40 if name == "llama3_rope_scaling" else 12  # past the original 16-token context
+    ids = np.random.RandomState(1).randint(0, 128, (3, seq))
+    ref = hf_logits(hf_model, ids)
+    out = np.asarray(model(jnp.asarray(ids)))
+    assert out.dtype == np.float32
+    assert np.abs(ref).max() > 0.5, "logits must be O(1) for the comparison to mean anything"
+    np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
+
+
+def test_padded_batch_matches_transformers(hf_pair):
+    _, hf_model, folder = hf_pair
+    model = from_pretrained(folder)
+    rng = np.random.RandomState(2)
+    ids = rng.randint(0, 128, (3, 10))
+    mask = np.ones((3, 10), np.int64)
+    mask[0, :4] = 0  # left padding
+    mask[1, 7:] = 0  # right padding
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    ref = hf_logits(hf_model, ids, mask, positions)
+    out = np.asarray(model(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(out[valid], ref[valid], atol=TOL, rtol=0)
+    assert np.isfinite(out).all()
+
+
+def test_cached_decode_matches_full_forward(hf_pair):
+    """Prefill a left-padded prompt, then decode token by token: same logits as one forward."""
+    _, _, folder = hf_pair
+    model = from_pretrained(folder)
+    rng = np.random.RandomState(3)
+    prompt_len, total = 6, 10
+    ids = rng.randint(0, 128, (2, total))
+    mask = np.ones((2, total), bool)
+    mask[0, :2] = False
+    full = np.asarray(model(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask)))
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    cache = init_cache(model.cfg, 2, total)
+    kv_mask = jnp.asarray(mask)
+    logits, cache = model.decode(
+        jnp.asarray(ids[:, :prompt_len]), jnp.asarray(positions[:, :prompt_len]), kv_mask, cache, 0
+    )
+    steps = [np.asarray(logits)]
+    for t in range(prompt_len, total):
+        logits, cache = model.decode(
+            jnp.asarray(ids[:, t : t + 1]), jnp.asarray(positions[:, t : t + 1]), kv_mask, cache, t
+        )
+        steps.append(np.asarray(logits))
+    decoded = np.concatenate(steps, axis=1)
+    np.testing.assert_allclose(decoded[mask], full[mask], atol=1e-5, rtol=0)
+
+
+def test_save_pretrained_roundtrip(hf_pair, tmp_path):
+    _, hf_model, folder = hf_pair
+    model = from_pretrained(folder)
+    out = save_pretrained(model, tmp_path / "out")
+    reloaded_hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    ids = np.random.RandomState(4).randint(0, 128, (2, 9))
+    np.testing.assert_allclose(hf_logits(reloaded_hf, ids), hf_logits(hf_model, ids), atol=TOL)
+    again = from_pretrained(out)
+    for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(model))),
+                    jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(again)))):
+        np.testing.assert_array_equal(a, b)  # exact
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)
+
+
+def test_sharded_checkpoint_and_bfloat16(tmp_path):
+    hf_model = make_hf_model("qwen2", dict(num_key_value_heads=2))
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ids = np.random.RandomState(5).randint(0, 128, (2, 8))
+    out = np.asarray(from_pretrained(tmp_path)(jnp.asarray(ids)))
+    np.testing.assert_allclose(out, hf_logits(hf_model, ids), atol=TOL)
+
+    bf16 = from_pretrained(tmp_path, dtype="bfloat16")
+    assert nnx_params(bf16)["embed"][...].dtype == jnp.bfloat16
+    out16 = np.asarray(bf16(jnp.asarray(ids)))
+    assert out16.dtype == np.float32
+    assert np.abs(out16 - out).max() < 0.1 * np.abs(out).max()
+
+
+def test_bfloat16_safetensors_roundtrip(tmp_path):
+    hf_model = make_hf_model("llama", dict(num_key_value_heads=2)).to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path / "bf16")
+    model = from_pretrained(tmp_path / "bf16", dtype="bfloat16")
+    ref = hf_model.model.embed_tokens.weight.float().detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.embed[...]).astype(np.float32), ref)
+
+
+def test_unsupported_folder_errors(tmp_path):
+    with pytest.raises(ModelFormatError, match="config.json"):
+        from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelFormatError, match="model_type 'gpt2'"):
+        from_pretrained(tmp_path)
