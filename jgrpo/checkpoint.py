@@ -1,0 +1,282 @@
+"""Orbax checkpoints of the whole run state: save every N steps, keep the last K, resume.
+
+A checkpoint holds one pytree ``state`` of arrays (params as an ``nnx.State`` or a dict, optax
+state, the step, a PRNG key; sharded or not) and one JSON-able ``meta`` dict (data-stream
+position, resolved config, metrics position, ...).
+
+On-disk layout (orbax 0.12 ``CheckpointManager``, local filesystem)::
+
+    DIRECTORY/
+      <step>/                     # e.g. 200/; while being written: 200.orbax-checkpoint-tmp
+        _CHECKPOINT_METADATA      # orbax: init and commit timestamps
+        commit_success.txt        # orbax: written just before the rename that finalizes
+        state/                    # StandardSave of {"leaf_00000": array, ...}, ocdbt
+        meta/metadata             # the caller's meta dict, JSON
+        structure/metadata        # JSON: keystr path of every leaf, PRNG-key impls
+
+Why the state is saved as a flat dict of numbered leaves: orbax rebuilds containers from what
+it finds on disk (a tuple or a NamedTuple of optax can come back as a list, an ``nnx.State``
+as a dict). Here the tree structure always comes from the caller's ``target``: its leaves are
+matched position by position to the saved ones, after checking that the ``keystr`` paths of
+the two trees agree, so a restore either returns exactly ``target``'s structure or raises.
+Typed PRNG keys are stored as ``jax.random.key_data`` and re-wrapped with the impl recorded at
+save time.
+
+Completeness: orbax writes a step into ``<step>.orbax-checkpoint-tmp``, writes
+``commit_success.txt`` and renames the folder to ``<step>`` (checked in orbax 0.12.8,
+``AtomicRenameTemporaryPath.finalize``). :func:`complete_steps` does not rely on the rename
+alone: a step counts only if its folder is named by a bare integer and it and every item
+folder hold ``commit_success.txt`` and ``_CHECKPOINT_METADATA`` records a commit timestamp.
+So a process killed mid-save (a tmp folder), a step folder copied half-way by hand or by a
+non-atomic sync, or anything else in the folder is never picked by :meth:`latest_step`.
+
+Saving is synchronous by default (``async_save=False``): :meth:`Checkpointer.save` returns when
+the step is on disk. With ``async_save=True`` it returns once the arrays are copied to host
+(so donating ``state`` to the next step is safe) and the write finishes in the background; the
+next ``save``, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` wait for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_ITEMS = ("state", "meta", "structure")
+_COMMIT_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCESS_FILE
+_STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+
+
+def _leaf_name(i: int) -> str:
+    return f"leaf_{i:05d}"
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
+    return paths, [leaf for _, leaf in leaves_with_paths], treedef
+
+
+def is_complete_step(path: str | Path) -> bool:
+    """True if `path` is a finalized checkpoint step folder written by :class:`Checkpointer`."""
+    path = Path(path)
+    if not (_STEP_NAME.match(path.name) and path.is_dir() and not path.is_symlink()):
+        return False
+    if not (path / _COMMIT_FILE).is_file():
+        return False
+    if not all((path / item / _COMMIT_FILE).is_file() for item in _ITEMS):
+        return False
+    try:
+        step_metadata = json.loads((path / _STEP_METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return step_metadata.get("commit_timestamp_nsecs") is not None
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """Sorted steps of the complete checkpoints in `directory` (empty if it does not exist)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if is_complete_step(p))
+
+
+def latest_complete_step(directory: str | Path) -> Optional[int]:
+    """The newest complete checkpoint step in `directory`, or None; needs no Checkpointer."""
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
+
+
+def _restore_struct(leaf: Any) -> jax.ShapeDtypeStruct:
+    """Abstract array orbax restores into: jax leaves keep their sharding, others go to host."""
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = leaf.sharding
+        if sharding is None:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if _is_key(leaf):
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    value = np.asarray(leaf)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+
+def _to_target_type(restored: jax.Array, target_leaf: Any, key_impl: Optional[str]) -> Any:
+    if isinstance(target_leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        if _is_key(target_leaf):
+            key = jax.random.wrap_key_data(restored, impl=key_impl)
+            if key.dtype != target_leaf.dtype:
+                raise ValueError(
+                    f"PRNG key impl {key.dtype} on disk, {target_leaf.dtype} in target"
+                )
+            return key
+        return restored
+    value = np.asarray(restored)
+    if isinstance(target_leaf, np.ndarray):
+        return value
+    if isinstance(target_leaf, np.generic):
+        return value[()]
+    return type(target_leaf)(value.item())  # python int / float / bool
+
+
+class Checkpointer:
+    """Saves and restores (state, meta) under `directory`, keeping the last `keep_last` steps.
+
+    Use as a context manager or call :meth:`close` at exit (it waits for an async save).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        keep_last: int = 3,
+        *,
+        save_period: int = 0,
+        async_save: bool = False,
+    ):
+        """`save_period`: :meth:`should_save` is true every this many steps (0 = never)."""
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.directory = Path(directory).absolute()
+        self.keep_last = keep_last
+        self.save_period = save_period
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep_last),
+            enable_async_checkpointing=async_save,
+            # Removes <step>.orbax-checkpoint-tmp left by a killed run, before the next save.
+            cleanup_tmp_directories=True,
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    @classmethod
+    def from_config(cls, directory: str | Path, cfg: Any, **kwargs) -> Checkpointer:
+        """From a `CheckpointConfig` (keep_last, save_period)."""
+        return cls(directory, cfg.keep_last, save_period=cfg.save_period, **kwargs)
+
+    def should_save(self, step: int) -> bool:
+        """True every `save_period` steps (never when it is 0)."""
+        return self.save_period > 0 and step % self.save_period == 0
+
+    def save(self, step: int, state: Any, meta: Optional[dict] = None) -> None:
+        """Write checkpoint `step`; prunes to the newest `keep_last` complete steps.
+
+        `state`: a pytree of jax arrays (any sharding, typed PRNG keys allowed), numpy arrays
+        or python scalars. `meta`: JSON-able dict (tuples come back as lists). Raises if
+        `step` already exists.
+        """
+        meta = {} if meta is None else meta
+        try:
+            meta = json.loads(json.dumps(meta, allow_nan=True))
+        except TypeError as e:
+            raise TypeError(f"checkpoint meta must be JSON-able: {e}") from None
+        paths, leaves, _ = _flatten(state)
+        arrays, key_impls = {}, {}
+        for i, leaf in enumerate(leaves):
+            if _is_key(leaf):
+                key_impls[_leaf_name(i)] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            elif not isinstance(leaf, jax.Array):
+                leaf = np.asarray(leaf)
+            arrays[_leaf_name(i)] = leaf
+        structure = {
+            "paths": paths,
+            "shapes": [list(a.shape) for a in arrays.values()],
+            "dtypes": [str(a.dtype) for a in arrays.values()],
+            "key_impls": key_impls,
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(arrays),
+                meta=ocp.args.JsonSave(meta),
+                structure=ocp.args.JsonSave(structure),
+            ),
+            force=True,
+        )
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk (an async save counts once finished)."""
+        return complete_steps(self.directory)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest complete checkpoint step, or None."""
+        return latest_complete_step(self.directory)
+
+    def restore(self, step: Optional[int], target: Any) -> tuple[Any, dict]:
+        """Load checkpoint `step` (None = latest) as `(state, meta)`.
+
+        `target` gives the structure and placement: a pytree like the saved state whose leaves
+        are jax arrays or `jax.ShapeDtypeStruct` (restored onto their `.sharding`; a struct
+        without one lands on the first device), numpy arrays (restored as numpy) or python
+        scalars (restored as the same type). The result has exactly `target`'s tree structure;
+        a different set of leaf paths, a shape or a dtype raises ValueError (no silent casts).
+        """
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        if not is_complete_step(self.directory / str(step)):
+            raise FileNotFoundError(
+                f"checkpoint step {step} in {self.directory} is missing or incomplete; "
+                f"complete steps: {self.all_steps()}"
+            )
+        paths, target_leaves, treedef = _flatten(target)
+        header = self._manager.restore(
+            step, args=ocp.args.Composite(structure=ocp.args.JsonRestore())
+        )
+        saved_paths = header.structure["paths"]
+        if saved_paths != paths:
+            missing = sorted(set(saved_paths) - set(paths))[:5]
+            extra = sorted(set(paths) - set(saved_paths))[:5]
+            raise ValueError(
+                f"checkpoint step {step}: target tree differs from the saved one "
+                f"(saved {len(saved_paths)} leaves, target {len(paths)}; only saved: {missing}; "
+                f"only target: {extra})"
+            )
+        abstract = {_leaf_name(i): _restore_struct(x) for i, x in enumerate(target_leaves)}
+        saved = zip(paths, header.structure["shapes"], header.structure["dtypes"], strict=True)
+        for (path, shape, dtype), want in zip(saved, abstract.values(), strict=True):
+            # orbax would silently pad/truncate a shape or cast a dtype; a resume must not.
+            if tuple(shape) != want.shape or dtype != str(want.dtype):
+                raise ValueError(
+                    f"checkpoint step {step}: leaf {path} is {dtype}{shape} on disk, "
+                    f"target wants {want.dtype}{list(want.shape)}"
+                )
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
+        key_impls = header.structure["key_impls"]
+        leaves = [
+            _to_target_type(restored.state[_leaf_name(i)], x, key_impls.get(_leaf_name(i)))
+            for i, x in enumerate(target_leaves)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored.meta or {})
+
+    def wait(self) -> None:
+        """Block until an in-flight async save is on disk (no-op when synchronous)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
