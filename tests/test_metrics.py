@@ -1,0 +1,202 @@
+"""jgrpo.metrics: jsonl lines and key sets, resume truncation, TensorBoard, W&B, bar, plots."""
+
+import json
+import math
+import struct
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jgrpo.config import ConfigError, LoggingConfig
+from jgrpo.metrics import MetricsLogger, plot_run, read_metrics, truncate_metrics
+
+QUIET = LoggingConfig(tensorboard=False, wandb=False, progress_bar=False)
+
+
+def train_metrics(step: int) -> dict:
+    return {
+        "loss": np.float32(0.5 / step),
+        "reward/mean": jnp.asarray(step / 10.0),
+        "kl/penalty": 0.01 * step,
+        "length/mean": 20 + step,
+    }
+
+
+def run_steps(logger, steps, val_every=3):
+    for step in steps:
+        logger.log(step, train_metrics(step))
+        if step % val_every == 0:
+            # Validation of the same step: merged into that step's line.
+            logger.log(step, {"val/accuracy": step / 100.0})
+
+
+def test_jsonl_lines_share_one_key_set(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=5) as logger:
+        logger.log(0, {"val/accuracy": 0.125})  # validation before the first step
+        run_steps(logger, range(1, 6))
+        # Flushed per line: readable while the logger is open.
+        assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4, 5]
+        logger.log(6, {"loss": float("nan"), "reward/mean": np.inf})
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    keys = ["step", "kl/penalty", "length/mean", "loss", "reward/mean", "val/accuracy"]
+    assert all(list(r) == keys for r in rows)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert rows[0] == {k: None for k in keys} | {"step": 0, "val/accuracy": 0.125}
+    assert rows[2] == {
+        "step": 2,
+        "kl/penalty": 0.02,
+        "length/mean": 22.0,
+        "loss": float(np.float32(0.25)),
+        "reward/mean": float(jnp.asarray(0.2)),
+        "val/accuracy": None,
+    }
+    assert rows[3]["val/accuracy"] == 0.03 and rows[3]["loss"] == float(np.float32(0.5 / 3))
+    assert all(isinstance(r["length/mean"], float) for r in rows[1:6])
+    # Non-finite values are null (strict JSON).
+    assert rows[6]["loss"] is None and rows[6]["reward/mean"] is None
+    assert "NaN" not in "".join(lines) and "Infinity" not in "".join(lines)
+
+
+def test_log_rejects_bad_input(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=5) as logger:
+        logger.log(2, {"loss": 1.0})
+        with pytest.raises(ValueError, match="must not decrease"):
+            logger.log(1, {"loss": 1.0})
+        with pytest.raises(TypeError, match="scalar"):
+            logger.log(3, {"loss": np.ones(3)})
+        with pytest.raises(TypeError, match="number"):
+            logger.log(3, {"loss": "high"})
+
+
+def test_resume_truncates_to_checkpoint_step(tmp_path):
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    with MetricsLogger(full_dir, QUIET, total_steps=8) as logger:
+        run_steps(logger, range(1, 9))
+
+    # Killed after step 7 (mid-write of step 8's line); the last checkpoint was step 4.
+    with MetricsLogger(resumed_dir, QUIET, total_steps=8) as logger:
+        run_steps(logger, range(1, 8))
+    with open(resumed_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "loss": 0.0')
+    with MetricsLogger(resumed_dir, QUIET, total_steps=8, resume_step=4) as logger:
+        assert [r["step"] for r in read_metrics(resumed_dir)] == [1, 2, 3, 4]
+        run_steps(logger, range(5, 9))
+
+    full = (full_dir / "metrics.jsonl").read_bytes()
+    assert (resumed_dir / "metrics.jsonl").read_bytes() == full
+    assert not list(resumed_dir.glob("*.tmp"))
+
+    # A fresh run (no resume step) in the same folder starts a new file.
+    with MetricsLogger(resumed_dir, QUIET, total_steps=8) as logger:
+        logger.log(1, {"loss": 2.0})
+    assert read_metrics(resumed_dir) == [{"step": 1, "loss": 2.0}]
+
+
+def test_truncate_metrics_and_declared_keys(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=3, keys=("val/accuracy",)) as logger:
+        logger.log(1, {"loss": 1.0})
+        logger.log(2, {"loss": 0.5})
+    assert read_metrics(tmp_path) == [
+        {"step": 1, "loss": 1.0, "val/accuracy": None},
+        {"step": 2, "loss": 0.5, "val/accuracy": None},
+    ]
+    kept = truncate_metrics(tmp_path, 1)
+    assert kept == read_metrics(tmp_path) == [{"step": 1, "loss": 1.0, "val/accuracy": None}]
+    assert read_metrics(tmp_path / "missing") == []
+
+
+def _read_tb_scalars(tb_dir):
+    """(tag, step, value) of every scalar in the TFRecord event files under tb_dir."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            record = data[pos + 12 : pos + 12 + length]
+            pos += 12 + length + 4
+            event = event_pb2.Event.FromString(record)
+            for v in event.summary.value:
+                scalars.append((v.tag, event.step, v.simple_value))
+    return scalars
+
+
+def test_tensorboard_events_written(tmp_path):
+    cfg = LoggingConfig(tensorboard=True, wandb=False, progress_bar=False)
+    with MetricsLogger(tmp_path, cfg, total_steps=3) as logger:
+        run_steps(logger, range(1, 4))
+    files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert files and all(f.stat().st_size > 0 for f in files)
+    scalars = _read_tb_scalars(tmp_path / "tb")
+    assert ("loss", 2, pytest.approx(0.25)) in scalars
+    assert ("val/accuracy", 3, pytest.approx(0.03)) in scalars
+    assert sum(tag == "reward/mean" for tag, _, _ in scalars) == 3
+
+
+def test_wandb_enabled_but_missing_raises(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    cfg = LoggingConfig(tensorboard=False, wandb=True, progress_bar=False)
+    with pytest.raises(ConfigError, match=r"logging\.wandb"):
+        MetricsLogger(tmp_path / "run", cfg, total_steps=3)
+    assert not (tmp_path / "run").exists()  # failed before touching the run directory
+
+
+def test_wandb_receives_metrics(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", step, data))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs["project"], kwargs["config"]))
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    cfg = LoggingConfig(tensorboard=False, wandb=True, wandb_project="p", progress_bar=False)
+    with MetricsLogger(tmp_path, cfg, total_steps=2, run_config={"a": 1}) as logger:
+        logger.log(1, {"loss": np.float32(0.5)})
+    assert calls == [("init", "p", {"a": 1}), ("log", 1, {"loss": 0.5}), ("finish",)]
+
+
+def test_progress_bar_shows_step_reward_accuracy(tmp_path, capsys):
+    cfg = LoggingConfig(tensorboard=False, wandb=False, progress_bar=True)
+    with MetricsLogger(tmp_path, cfg, total_steps=10) as logger:
+        logger.log(1, {"reward/mean": 0.25, "perf/tokens_per_s": 1234.0})
+        logger.log(1, {"val/accuracy": 0.5})
+        logger.log(2, {"reward/mean": 0.5})
+    err = capsys.readouterr().err
+    assert "2/10" in err
+    assert "reward=0.5" in err and "acc=0.5" in err and "tok/s=1234" in err
+
+
+def test_plot_run_writes_pngs(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=6) as logger:
+        run_steps(logger, range(1, 7))
+    paths = plot_run(tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["kl.png", "length.png", "loss.png", "reward.png", "val.png"]
+    for path in paths:
+        assert path.parent == tmp_path / "plots"
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    assert plot_run(tmp_path / "empty") == []
+
+
+def test_values_are_plain_floats(tmp_path):
+    with MetricsLogger(tmp_path, QUIET, total_steps=1) as logger:
+        logger.log(1, {"a": np.int64(3), "b": jnp.bfloat16(0.5), "c": True, "d": jnp.ones(())})
+    row = read_metrics(tmp_path)[0]
+    assert row == {"step": 1, "a": 3.0, "b": 0.5, "c": 1.0, "d": 1.0}
+    assert all(type(v) is float for k, v in row.items() if k != "step")
+    assert not any(math.isnan(v) for k, v in row.items() if k != "step")
