@@ -30,7 +30,6 @@ import inspect
 import math
 import mmap
 import os
-import pickle
 import struct
 import subprocess
 import sys
@@ -86,13 +85,14 @@ def import_reward_function(spec: str, key: str) -> Callable[[str, str, dict], An
 
 # ----------------------------------------------------------------------------- the child
 
-_BOOTSTRAP = (
-    "import os, pickle, sys\n"
-    "r, w = int(sys.argv[1]), int(sys.argv[2])\n"
-    "init = pickle.loads(os.read(r, int.from_bytes(os.read(r, 8), 'little')))\n"
+_BOOTSTRAP = (  # stdlib only until sys.path is the parent's
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]), writable=False)\n"
+    "init = conn.recv()\n"
     "sys.path[:] = init['sys_path']\n"
     "from jgrpo.tasks.rewards import serve\n"
-    "serve(r, w, init)\n"
+    "serve(conn, int(sys.argv[2]), init)\n"
 )
 
 
@@ -104,7 +104,7 @@ def _on_alarm(signum, frame):
     raise _Timeout()
 
 
-def serve(read_fd: int, write_fd: int, init: dict) -> None:
+def serve(conn: Connection, write_fd: int, init: dict) -> None:
     """Child main loop: run jobs of (function, start, stop) ranges until the pipe closes."""
     import signal
 
@@ -114,7 +114,6 @@ def serve(read_fd: int, write_fd: int, init: dict) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001
         pass
-    conn = Connection(read_fd, writable=False)
     out = Connection(write_fd, readable=False)
     progress = mmap.mmap(init["progress_fd"], _PROGRESS.size)
     fns = [import_reward_function(spec, spec) for spec in init["specs"]]
@@ -175,16 +174,11 @@ class _Child:
         )
         os.close(child_r)
         os.close(child_w)
-        init = pickle.dumps(
-            dict(
-                sys_path=list(sys.path),
-                specs=list(specs),
-                timeout_s=timeout_s,
-                progress_fd=progress_fd,
-            )
-        )
-        os.write(parent_w, len(init).to_bytes(8, "little") + init)
         self.send_conn = Connection(parent_w, readable=False)
+        init = dict(
+            sys_path=list(sys.path), specs=list(specs), timeout_s=timeout_s, progress_fd=progress_fd
+        )
+        self.send_conn.send(init)
         self.recv_conn = Connection(parent_r, writable=False)
         self.started = time.monotonic()
         self._finalizer = weakref.finalize(self, _kill, self.proc)

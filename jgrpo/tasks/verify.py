@@ -87,14 +87,15 @@ def _unlatex(text: str) -> str:
 def extract_answer(text: str) -> Optional[str]:
     """The final-answer number token of a completion, or None.
 
-    Priority: the first number after the last `####`; else the last `\\boxed{...}`; else the
-    first number after the last "answer is" / "answer:"; else the last number in the text. A
-    marker that is present but holds no number yields None (the model did not answer).
+    Priority: the first number on the first non-blank line after the last `####`; else the
+    last `\\boxed{...}`; else the first number after the last "answer is" / "answer:"; else
+    the last number in the text. A `####` or `\\boxed{}` that holds no number yields None (the
+    model did not answer).
     """
     text = text.replace("\u2212", "-")
     pos = text.rfind("####")
-    if pos >= 0:
-        return _first_number(text[pos + 4 :])
+    if pos >= 0:  # the first non-blank line after it: a number on a later line is not the answer
+        return _first_number(text[pos + 4 :].lstrip().split("\n", 1)[0])
     boxed = _boxed_content(text)
     if boxed is not None:
         return _first_number(_unlatex(boxed))
