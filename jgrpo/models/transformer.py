@@ -17,8 +17,9 @@ Two entry points:
   attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
   positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
 - `model.decode(input_ids_bt, positions_bt, kv_mask_bs, cache, cache_index)` -> (logits, cache):
-  writes the new tokens' keys/values into the KV cache at slot `cache_index` and attends over
-  every cache slot `s` with `kv_mask_bs[b, s]` and `s <= cache_index + t` (the sampler's path).
+  writes the new tokens' keys/values into the KV cache at slot `cache_index` (in place) and
+  attends over every cache slot `s` (or the first `attend_len`) with `kv_mask_bs[b, s]` and
+  `s <= cache_index + t` (the sampler's path, `jgrpo.sampling`).
 """
 
 from __future__ import annotations
@@ -250,25 +251,52 @@ class Transformer(nnx.Module):
         x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
         return self._logits(x_btd)
 
-    def decode(self, input_ids_bt, positions_bt, kv_mask_bs, cache: KVCache, cache_index):
-        """Forward `t` new tokens against the cache; returns (logits_btv, updated cache)."""
+    def decode(
+        self,
+        input_ids_bt,
+        positions_bt,
+        kv_mask_bs,
+        cache: KVCache,
+        cache_index,
+        *,
+        attend_len: Optional[int] = None,
+        last_logits_only: bool = False,
+    ):
+        """Forward `t` new tokens against the cache; returns (logits_btv, updated cache).
+
+        The new keys/values are written into the cache carried through the layer scan with one
+        `dynamic_update_slice` each (in place; the cache is not re-stacked per layer).
+        `attend_len` (static) limits attention to cache slots [0, attend_len): the caller
+        promises that no slot past it is both written and wanted (the sampler decodes in
+        chunks so early tokens do not pay for the whole cache). `last_logits_only` returns
+        logits of the last query token only ([b, 1, v]), as a prefill needs.
+        """
         cfg = self.cfg
         t = input_ids_bt.shape[1]
-        s = cache.k_lbskh.shape[2]
+        s = cache.k_lbskh.shape[2] if attend_len is None else attend_len
         slot_s = jnp.arange(s)
         query_slot_t = cache_index + jnp.arange(t)
-        mask_bts = (slot_s[None, :] <= query_slot_t[:, None])[None] & kv_mask_bs[:, None, :]
+        mask_bts = (slot_s[None, :] <= query_slot_t[:, None])[None] & kv_mask_bs[:, None, :s]
         inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a trace-time constant, not state
+        cache_index = jnp.asarray(cache_index, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
 
-        def layer(x_btd, xs):
-            p, k_cache, v_cache = xs
+        def layer(carry, xs):
+            x_btd, k_lbskh, v_lbskh = carry
+            p, i = xs
             q, k, v = _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq)
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k, cache_index, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v, cache_index, axis=1)
-            out = _layer_out(p, cfg, x_btd, attention(q, k_cache, v_cache, mask_bts))
-            return out, (k_cache, v_cache)
+            start = (i, zero, cache_index, zero, zero)
+            k_lbskh = jax.lax.dynamic_update_slice(k_lbskh, k[None].astype(k_lbskh.dtype), start)
+            v_lbskh = jax.lax.dynamic_update_slice(v_lbskh, v[None].astype(v_lbskh.dtype), start)
+            k_bskh = jax.lax.dynamic_index_in_dim(k_lbskh, i, 0, keepdims=False)[:, :s]
+            v_bskh = jax.lax.dynamic_index_in_dim(v_lbskh, i, 0, keepdims=False)[:, :s]
+            out = _layer_out(p, cfg, x_btd, attention(q, k_bskh, v_bskh, mask_bts))
+            return (out, k_lbskh, v_lbskh), None
 
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
-        xs = (self._layer_params(), cache.k_lbskh, cache.v_lbskh)
-        x_btd, (k_new, v_new) = jax.lax.scan(layer, x_btd, xs)
+        xs = (self._layer_params(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        carry = (x_btd, cache.k_lbskh, cache.v_lbskh)
+        (x_btd, k_new, v_new), _ = jax.lax.scan(layer, carry, xs)
+        if last_logits_only:
+            x_btd = x_btd[:, -1:]
         return self._logits(x_btd), KVCache(k_new, v_new)

@@ -1,0 +1,367 @@
+"""The sampler: jitted prefill + decode loop over a preallocated KV cache, generation logprobs.
+
+Public API::
+
+    SamplingParams(max_new_tokens, temperature, top_p, top_k, stop_token_ids, pad_id,
+                   prompt_bucket, ignore_eos, attention_chunk)        frozen; from_rollout_config()
+    generate(model | (graphdef, state), prompts: list[list[int]], params, key) -> Generation
+    pad_prompts(prompts, bucket, pad_id) -> (prompt_ids_bp, prompt_lengths_b)    host, numpy
+    generate_padded(graphdef, state, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p,
+                    *, spec: DecodeSpec) -> dict of device arrays    the jitted core
+    filter_logits(scaled_bv, top_p, top_k) -> scaled_bv with filtered entries at -inf
+    compile_count() -> int          executables compiled so far by the core (for tests/metrics)
+
+What one `generate` call does: prompts are left-padded to P = ceil(max len / prompt_bucket) *
+prompt_bucket; the jitted core merges the model from (graphdef, state) (the trainer's own
+parameter arrays, sharded or not: nothing is copied), prefills the P prompt slots of a cache
+of P + N - 1 slots in one forward (logits of the last position only), samples token 0, then
+runs `lax.while_loop` decode steps: forward the previous token into its cache slot, sample the
+next. The loop exits as soon as every row has stopped, so `num_decode_steps` is
+max(lengths) - 1 when every row stops, N - 1 otherwise. Nothing returns to the host per token.
+The cache lives only inside the program: the while-loop carry is updated in place by XLA
+(`Transformer.decode` writes one slot per layer with dynamic_update_slice), so there is no
+donation to arrange. The decode loop is split into segments of `attention_chunk` steps
+(at most 8 segments), each a while loop whose attention reads only the cache slots that can be
+filled by then (P + end of segment) instead of all P + N - 1.
+
+Token i of row b sits at cache slot P + i and position prompt_len_b + i (left padding: the
+prompt fills slots [P - prompt_len_b, P)); the trainer's forward over the left-padded prompt +
+completion with `positions = cumsum(mask) - 1` sees the same positions.
+
+Outputs (numpy, `Generation`): tokens [B, N] (the stop token included, pad_id after it),
+lengths [B] (tokens up to and including the stop token), truncated [B] (N tokens, no stop),
+and per-token logprobs aligned with tokens (0 after the end):
+- `logprobs`: log_softmax(logits / temperature)[token], the temperature-scaled distribution
+  BEFORE top-k / top-p filtering. This is what the trainer's forward reproduces (REFERENCE.md:
+  training logits are divided by the sampling temperature), so it is the `lg` of the loss.
+  With top-k/top-p on, the token was actually drawn from the filtered distribution, so `lg`
+  slightly overstates its surprise relative to the sampler (the usual vLLM/NeMo convention).
+- `filtered_logprobs`: log_softmax(filter_logits(logits / temperature))[token], the log-prob
+  under the renormalised filtered distribution the token was drawn from (= `logprobs` when no
+  filter is active). Reproduce it in a trainer with the same `filter_logits`.
+- temperature 0 (greedy): token = argmax(logits); `logprobs` = log_softmax(logits)[token]
+  (temperature taken as 1), `filtered_logprobs` = 0 (a point mass).
+
+Filtering (on temperature-scaled logits, transformers' order: top-k, then top-p on what
+top-k kept): top-k keeps entries >= the k-th largest; top-p keeps the shortest prefix of the
+descending order whose mass reaches top_p (an entry is kept while the mass before it is
+< top_p; the top entry always). Both are thresholds on the logit value, so exact ties at the
+threshold are all kept.
+
+Compiles: one executable per (graphdef, batch size B, padded prompt length P, DecodeSpec:
+max_new_tokens, top_k, stop ids, pad id, attention_chunk) and parameter shardings.
+temperature and top_p are traced scalars (top-p runs under `lax.cond`, so top_p = 1 costs no
+sort and changing it never recompiles), and the key is an argument. A 100-step run with fixed
+rollout settings compiles once per distinct (B, P) it meets: the training batch (P x G rows)
+times the number of prompt buckets its prompts span, plus the same for the validation batch;
+with prompts shorter than one bucket (the built-in tasks at prompt_bucket 32/64) that is 2
+(train + validation), and never more than 2 x ceil(longest prompt / prompt_bucket).
+
+Determinism: the draw of token i uses `fold_in(key, i)`; for a fixed key, batch and
+parameters the output is identical across calls (and across meshes up to float reduction
+order: sharded and unsharded parameters give the same tokens in the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jgrpo.models.transformer import Transformer, init_cache
+
+_MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """What to generate. Fields marked static change the compiled program."""
+
+    max_new_tokens: int = 256
+    """N, completion length cap (static); rows reaching it without a stop are truncated."""
+    temperature: float = 1.0
+    """Softmax temperature (traced); 0 = greedy argmax."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1] (traced); 1 = off."""
+    top_k: Optional[int] = None
+    """Keep the k largest logits (static); None = off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop tokens in addition to the model config's eos_token_ids (static)."""
+    pad_id: Optional[int] = None
+    """Written after a row's end and in prompt padding; None = cfg.pad_token_id, else the
+    first eos id, else 0 (static)."""
+    prompt_bucket: int = 32
+    """Prompt lengths are padded up to a multiple of this, so varying prompts share a compile."""
+    ignore_eos: bool = False
+    """Do not stop at the model's eos_token_ids (stop_token_ids still stop); for benchmarks."""
+    attention_chunk: int = 64
+    """Decode steps per loop segment: attention reads the cache filled by the segment's end."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must lie in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k: must be >= 1 or None, got {self.top_k}")
+        if self.prompt_bucket < 1 or self.attention_chunk < 1:
+            raise ValueError("prompt_bucket and attention_chunk: must be >= 1")
+
+    @classmethod
+    def from_rollout_config(cls, rollout, **overrides) -> SamplingParams:
+        """From `jgrpo.config.RolloutConfig` (temperature, top_p, top_k, max_new_tokens,
+        prompt_bucket); `overrides` set the other fields (stop_token_ids, pad_id, ...)."""
+        fields = dict(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            prompt_bucket=rollout.prompt_bucket,
+        )
+        return cls(**{**fields, **overrides})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeSpec:
+    """The static part of a generate call (hashable: a jit static argument)."""
+
+    max_new_tokens: int
+    top_k: Optional[int]
+    stop_token_ids: tuple[int, ...]
+    """The full stop set (model eos ids unless ignored, plus extra stops), sorted."""
+    pad_id: int
+    attention_chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One batch of completions (numpy). Per-token arrays are aligned with `tokens`."""
+
+    tokens: np.ndarray
+    """[B, N] int32 completion ids, the stop token included, pad_id after the end."""
+    logprobs: np.ndarray
+    """[B, N] float32 log_softmax(logits / T)[token] before top-k/top-p; 0 after the end."""
+    filtered_logprobs: np.ndarray
+    """[B, N] float32 logprob under the filtered distribution sampled from; 0 after the end."""
+    lengths: np.ndarray
+    """[B] int32 generated tokens including the stop token."""
+    truncated: np.ndarray
+    """[B] bool: N tokens generated without a stop token."""
+    prompt_tokens: np.ndarray
+    """[B, P] int32 left-padded prompts (P a multiple of prompt_bucket)."""
+    prompt_lengths: np.ndarray
+    """[B] int32 real prompt tokens per row."""
+    num_decode_steps: int
+    """Decode-loop iterations run (<= N - 1; fewer when every row stopped early)."""
+
+
+# ----------------------------------------------------------------------------- sampling math
+
+
+def filter_logits(scaled_bv: jax.Array, top_p, top_k: Optional[int]) -> jax.Array:
+    """Top-k (static k) then top-p (traced p) on temperature-scaled logits; dropped -> -inf."""
+    v = scaled_bv.shape[-1]
+    sorted_bk = None
+    if top_k is not None and top_k < v:
+        sorted_bk, _ = jax.lax.top_k(scaled_bv, top_k)  # descending
+        scaled_bv = jnp.where(scaled_bv < sorted_bk[:, -1:], -jnp.inf, scaled_bv)
+
+    def nucleus(x_bv):
+        desc_bk = sorted_bk if sorted_bk is not None else jnp.flip(jnp.sort(x_bv, axis=-1), -1)
+        probs_bk = jax.nn.softmax(desc_bk, axis=-1)
+        mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+        num_keep_b = jnp.maximum(jnp.sum(mass_before_bk < top_p, axis=-1), 1)
+        threshold_b1 = jnp.take_along_axis(desc_bk, num_keep_b[:, None] - 1, axis=-1)
+        return jnp.where(x_bv < threshold_b1, -jnp.inf, x_bv)
+
+    return jax.lax.cond(top_p < 1.0, nucleus, lambda x_bv: x_bv, scaled_bv)
+
+
+def sample_token(logits_bv, key, temperature, top_p, top_k: Optional[int]):
+    """Draw one token per row in float32 -> (token_b, logprob_b, filtered_logprob_b)."""
+    logits_bv = logits_bv.astype(jnp.float32)
+    greedy = temperature <= 0
+    scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
+    filtered_bv = filter_logits(scaled_bv, top_p, top_k)
+    sampled_b = jax.random.categorical(key, filtered_bv, axis=-1)
+    token_b = jnp.where(greedy, jnp.argmax(logits_bv, axis=-1), sampled_b).astype(jnp.int32)
+
+    def pick(logp_bv):
+        return jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+
+    logprob_b = pick(jax.nn.log_softmax(scaled_bv, axis=-1))
+    filtered_b = jnp.where(greedy, 0.0, pick(jax.nn.log_softmax(filtered_bv, axis=-1)))
+    return token_b, logprob_b, filtered_b
+
+
+# ----------------------------------------------------------------------------- the jitted core
+
+
+_COMPILES = [0]  # traced-function side effect: +1 per trace of the core
+
+
+def compile_count() -> int:
+    """Programs traced (= compiled) by `generate_padded` so far in this process."""
+    return _COMPILES[0]
+
+
+def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
+    """Decode steps 1..n-1 split into [start, end) segments of `chunk` (at most 8)."""
+    steps = n - 1
+    if steps <= 0:
+        return []
+    chunk = max(chunk, math.ceil(steps / _MAX_SEGMENTS))
+    return [(a, min(a + chunk, n)) for a in range(1, n, chunk)]
+
+
+def _generate_padded(
+    graphdef, state, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, *, spec
+):
+    _COMPILES[0] += 1
+    model: Transformer = nnx.merge(graphdef, state)
+    b, p = prompt_ids_bp.shape
+    n = spec.max_new_tokens
+    temperature = jnp.asarray(temperature, jnp.float32)
+    top_p = jnp.asarray(top_p, jnp.float32)
+    stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+
+    prompt_lengths_b = prompt_lengths_b.astype(jnp.int32)
+    prompt_mask_bp = jnp.arange(p)[None, :] >= p - prompt_lengths_b[:, None]
+    positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=-1) - 1, 0)
+    kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, n - 1), jnp.bool_)], axis=-1)
+    cache = init_cache(model.cfg, b, p + n - 1)
+    logits_b1v, cache = model.decode(
+        prompt_ids_bp, positions_bp, kv_mask_bs, cache, 0, attend_len=p, last_logits_only=True
+    )
+
+    def emit(i, logits_bv, carry):
+        """Sample token i from logits_bv and record it (rows already done emit pad)."""
+        tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = carry
+        token_b, lp_b, flp_b = sample_token(
+            logits_bv, jax.random.fold_in(key, i), temperature, top_p, spec.top_k
+        )
+        token_b = jnp.where(done_b, spec.pad_id, token_b)
+        lp_b = jnp.where(done_b, 0.0, lp_b)
+        flp_b = jnp.where(done_b, 0.0, flp_b)
+        lengths_b = lengths_b + (~done_b).astype(jnp.int32)
+        done_b = done_b | jnp.isin(token_b, stops)
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
+        return (put(tokens_bn, token_b), put(logprobs_bn, lp_b), put(filtered_bn, flp_b),
+                done_b, lengths_b), token_b
+
+    out = (
+        jnp.full((b, n), spec.pad_id, jnp.int32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b,), jnp.bool_),
+        jnp.zeros((b,), jnp.int32),
+    )
+    out, token_b = emit(0, logits_b1v[:, 0], out)
+    i = jnp.asarray(1, jnp.int32)
+
+    for start, end in _segments(n, spec.attention_chunk):
+        attend_len = p + end - 1  # slots written by the last step of this segment
+
+        def cond(loop, end=end):
+            i, _, _, out = loop
+            return (i < end) & ~jnp.all(out[3])
+
+        def body(loop, attend_len=attend_len):
+            i, cache, token_b, out = loop
+            slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
+            positions_b1 = (prompt_lengths_b + i - 1)[:, None]
+            logits_b1v, cache = model.decode(
+                token_b[:, None], positions_b1, kv_mask_bs, cache, slot, attend_len=attend_len
+            )
+            out, token_b = emit(i, logits_b1v[:, 0], out)
+            return i + 1, cache, token_b, out
+
+        i, cache, token_b, out = jax.lax.while_loop(cond, body, (i, cache, token_b, out))
+
+    tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = out
+    return dict(
+        tokens=tokens_bn,
+        logprobs=logprobs_bn,
+        filtered_logprobs=filtered_bn,
+        lengths=lengths_b,
+        truncated=~done_b,
+        num_decode_steps=i - 1,
+    )
+
+
+generate_padded = jax.jit(_generate_padded, static_argnums=0, static_argnames="spec")
+"""The jitted core on padded arrays: prompt_ids_bp [B, P] left-padded int32, prompt_lengths_b
+[B]; temperature / top_p scalars (traced). Returns device arrays (see `Generation`)."""
+
+
+# ----------------------------------------------------------------------------- host wrapper
+
+
+def pad_prompts(prompts: list[list[int]], bucket: int, pad_id: int):
+    """Left-pad to P = ceil(longest / bucket) * bucket -> (ids [B, P] int32, lengths [B])."""
+    lengths_b = np.asarray([len(p) for p in prompts], np.int32)
+    if len(prompts) == 0 or lengths_b.min() < 1:
+        raise ValueError("generate: needs at least one prompt, each with >= 1 token")
+    width = int(math.ceil(lengths_b.max() / bucket) * bucket)
+    ids_bp = np.full((len(prompts), width), pad_id, np.int32)
+    for row, prompt in enumerate(prompts):
+        ids_bp[row, width - len(prompt) :] = prompt
+    return ids_bp, lengths_b
+
+
+def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
+    """Resolve the stop set and pad id against the model config."""
+    eos = () if params.ignore_eos else tuple(cfg.eos_token_ids)
+    if params.pad_id is not None:
+        pad_id = params.pad_id
+    elif cfg.pad_token_id is not None:
+        pad_id = cfg.pad_token_id
+    else:
+        pad_id = eos[0] if eos else 0
+    return DecodeSpec(
+        max_new_tokens=params.max_new_tokens,
+        top_k=params.top_k,
+        stop_token_ids=tuple(sorted(set(eos) | set(params.stop_token_ids))),
+        pad_id=int(pad_id),
+        attention_chunk=params.attention_chunk,
+    )
+
+
+def generate(model, prompts: list[list[int]], params: SamplingParams, key) -> Generation:
+    """Sample completions of `prompts` from `model` (a Transformer or (graphdef, state))."""
+    if isinstance(model, nnx.Module):
+        cfg = model.cfg
+        graphdef, state = nnx.split(model)
+    else:
+        graphdef, state = model
+        cfg = nnx.merge(graphdef, state).cfg
+    spec = make_decode_spec(cfg, params)
+    ids_bp, lengths_b = pad_prompts(prompts, params.prompt_bucket, spec.pad_id)
+    out = generate_padded(
+        graphdef,
+        state,
+        ids_bp,
+        lengths_b,
+        key,
+        np.float32(params.temperature),
+        np.float32(params.top_p),
+        spec=spec,
+    )
+    out = jax.device_get(out)
+    return Generation(
+        tokens=np.asarray(out["tokens"]),
+        logprobs=np.asarray(out["logprobs"]),
+        filtered_logprobs=np.asarray(out["filtered_logprobs"]),
+        lengths=np.asarray(out["lengths"]),
+        truncated=np.asarray(out["truncated"]),
+        prompt_tokens=ids_bp,
+        prompt_lengths=lengths_b,
+        num_decode_steps=int(out["num_decode_steps"]),
+    )
