@@ -9,3 +9,37 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def make_rollout_batch(seed, num_prompts=4, group=4, prompt_len=5, total_len=14, vocab=64):
+    """A synthetic rollout batch (the trainer -> step boundary) with ragged lengths."""
+    rng = np.random.RandomState(seed)
+    b = num_prompts * group
+    input_ids = rng.randint(1, vocab, (b, total_len)).astype(np.int32)
+    attention_mask = np.ones((b, total_len), np.float32)
+    token_mask = np.zeros((b, total_len), np.float32)
+    for i in range(b):
+        pad = rng.randint(0, 3)  # left padding of the prompt
+        attention_mask[i, :pad] = 0
+        input_ids[i, :pad] = 0
+        gen = rng.randint(2, total_len - prompt_len + 1)
+        token_mask[i, prompt_len : prompt_len + gen] = 1
+        attention_mask[i, prompt_len + gen :] = 0  # right padding after EOS
+        input_ids[i, prompt_len + gen :] = 0
+    return dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        token_mask=token_mask,
+        generation_logprobs=(-rng.rand(b, total_len) * 2 - 1).astype(np.float32),
+        rewards=rng.randint(0, 2, b).astype(np.float32),
+        group_ids=np.repeat(np.arange(num_prompts), group).astype(np.int32),
+        sample_mask=np.ones(b, np.float32),
+    )
+
+
+@pytest.fixture
+def rollout_batch():
+    return make_rollout_batch(0)

@@ -1,0 +1,329 @@
+"""The one jitted GRPO train step, specialised on static flags.
+
+`StepFlags` (frozen, hashable) decides the program: which logprob forwards exist, the loss and
+advantage structure (bools, choices, None-ness), and the minibatch/microbatch split. Float
+hyperparameters (clip eps, beta, clamps, IS bounds, advantage clips, learning rate, weight decay,
+max grad norm, temperature, logprob-error threshold) travel as traced scalars in `hparams`, so
+sweeping them never recompiles.
+
+Inside one call, in order (REFERENCE.md "The logprob forwards and the static flags"):
+  1. reference forward (only when compute_ref_logprobs: beta != 0),
+  2. prev forward on the current params (only when compute_prev_logprobs: not skip_prev),
+  3. seq-logprob-error masking, advantages (after 1-2: reinforce++ may use the KL in the reward),
+  4. lax.scan over minibatches (one optimizer update each), each accumulating gradients over
+     microbatches with lax.scan; losses are normalised by the minibatch's GLOBAL token and
+     sequence counts, so the result does not depend on the microbatch count or the mesh;
+     gradient-norm clipping; Adam with a schedule; a non-finite loss or gradient skips the
+     update (params and optimizer state kept) and is counted.
+A skipped forward is absent from the compiled program: each forward runs under a
+`jax.named_scope("forward_<name>")`, which `forwards_in_hlo` reads back from compiled HLO.
+
+Rows are split into minibatches and microbatches by interleaving (row i goes to chunk i mod K),
+which keeps every chunk spread over the batch-sharded devices.
+
+Batch (the rollout boundary, [B, T] per-token arrays aligned with the tokens they score):
+  input_ids, attention_mask, token_mask (1 on generated tokens), generation_logprobs;
+  rewards [B], group_ids [B], sample_mask [B].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jgrpo import losses
+from jgrpo.config import AdvantageConfig, Config, LossConfig
+
+FORWARDS = ("ref", "prev", "policy")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepFlags:
+    """Everything that changes the compiled program (bool/int/str/None-ness only)."""
+
+    compute_prev_logprobs: bool
+    compute_ref_logprobs: bool
+    loss: LossConfig
+    """The loss structure; its float fields are zeroed (their values live in hparams)."""
+    advantage: AdvantageConfig
+    """The advantage structure; float fields zeroed likewise."""
+    num_minibatches: int = 1
+    num_microbatches: int = 1
+    use_logprob_error_threshold: bool = False
+    clip_grad_norm: bool = True
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_updates: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> StepFlags:
+        return cls(
+            compute_prev_logprobs=not cfg.skip_prev,
+            compute_ref_logprobs=not cfg.skip_ref,
+            loss=split_floats(cfg.loss)[0],
+            advantage=split_floats(cfg.grpo.advantage)[0],
+            num_minibatches=cfg.grpo.num_minibatches,
+            num_microbatches=cfg.grpo.num_microbatches,
+            use_logprob_error_threshold=cfg.grpo.seq_logprob_error_threshold is not None,
+            clip_grad_norm=cfg.optim.max_grad_norm is not None,
+            schedule=cfg.optim.schedule,
+            warmup_steps=cfg.optim.warmup_steps,
+            total_updates=cfg.grpo.max_num_steps * cfg.grpo.num_minibatches,
+        )
+
+
+class TrainState(NamedTuple):
+    params: Any
+    """Pure nested dict of parameter arrays (nnx.to_pure_dict of the model's state)."""
+    opt_state: Any
+    step: jax.Array
+    """Optimizer updates applied so far (int32 scalar; drives the schedule)."""
+
+
+def split_floats(section) -> tuple[Any, dict[str, float]]:
+    """(section with float fields zeroed, {field: float}) — None-valued fields stay structural."""
+    floats = {
+        f.name: getattr(section, f.name)
+        for f in dataclasses.fields(section)
+        if isinstance(getattr(section, f.name), float)
+    }
+    return dataclasses.replace(section, **dict.fromkeys(floats, 0.0)), floats
+
+
+def make_hparams(cfg: Config) -> dict:
+    """The traced float hyperparameters of a step, as float32 scalars."""
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return {
+        "loss": {k: f32(v) for k, v in split_floats(cfg.loss)[1].items()},
+        "advantage": {k: f32(v) for k, v in split_floats(cfg.grpo.advantage)[1].items()},
+        "learning_rate": f32(cfg.optim.learning_rate),
+        "weight_decay": f32(cfg.optim.weight_decay),
+        "max_grad_norm": f32(cfg.optim.max_grad_norm or 0.0),
+        "temperature": f32(cfg.rollout.temperature),
+        "seq_logprob_error_threshold": f32(cfg.grpo.seq_logprob_error_threshold or 0.0),
+    }
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """Adam moments; lr, weight decay and clipping are applied in the step with traced values."""
+    return optax.scale_by_adam(b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)
+
+
+def schedule_factor(flags: StepFlags, step):
+    """Multiplier of the peak learning rate at update `step` (warmup, then decay to 0)."""
+    step = jnp.asarray(step, jnp.float32)
+    warm = flags.warmup_steps
+    warmup = jnp.minimum(1.0, (step + 1) / warm) if warm > 0 else 1.0
+    frac = jnp.clip((step - warm) / max(flags.total_updates - warm, 1), 0.0, 1.0)
+    decay = {
+        "constant": 1.0,
+        "linear": 1.0 - frac,
+        "cosine": 0.5 * (1.0 + jnp.cos(jnp.pi * frac)),
+    }[flags.schedule]
+    return jnp.where(step < warm, warmup, decay)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def chunk_rows(tree, num_chunks: int):
+    """[B, ...] -> [K, B/K, ...] with row i in chunk i mod K (keeps batch sharding intact)."""
+    def split(x):
+        return jnp.swapaxes(x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, tree)
+
+
+def unchunk_rows(x_k):
+    """Inverse of chunk_rows for one array."""
+    return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
+
+
+def sequence_logprobs(graphdef, params, batch, temperature):
+    """[B, T] logprobs of batch["input_ids"] under the model (temperature-scaled logits)."""
+    model = nnx.merge(graphdef, params)
+    logits_btv = model(batch["input_ids"], attention_mask_bt=batch["attention_mask"])
+    return losses.token_logprobs(logits_btv, batch["input_ids"], temperature)
+
+
+def frozen_logprobs(name, graphdef, params, batch, temperature, num_chunks):
+    """A no-gradient forward over the whole batch in `num_chunks` chunks (bounded memory)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with jax.named_scope(f"forward_{name}"):
+        lp_kbt = jax.lax.map(
+            lambda mb: sequence_logprobs(graphdef, params, mb, temperature),
+            chunk_rows(inputs, num_chunks),
+        )
+    return jax.lax.stop_gradient(unchunk_rows(lp_kbt))
+
+
+def reduce_minibatch_metrics(stacked: dict) -> dict:
+    """Minibatch metrics [M] -> one value: min/max keys by min/max, the rest by mean."""
+    out = losses.combine_metrics(stacked)
+    count = next(iter(stacked.values())).shape[0]
+    return {
+        k: v if k.endswith(("_min", "/min", "_max", "/max")) else v / count for k, v in out.items()
+    }
+
+
+def batch_statistics(data: dict, advantages_bt, group_ids_b) -> dict:
+    """Reward / advantage / group metrics of the rollout batch."""
+    sm_b = data["sample_mask"]
+    rewards_b = data["rewards"].astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(sm_b), 1.0)
+    mean = jnp.sum(rewards_b * sm_b) / n
+    tm_bt = data["token_mask"] * sm_b[:, None]
+    n_tok = jnp.maximum(jnp.sum(tm_bt), 1.0)
+    adv_mean = jnp.sum(advantages_bt * tm_bt) / n_tok
+    b = rewards_b.shape[0]
+    gmax = jax.ops.segment_max(jnp.where(sm_b > 0, rewards_b, -jnp.inf), group_ids_b, b)
+    gmin = jax.ops.segment_min(jnp.where(sm_b > 0, rewards_b, jnp.inf), group_ids_b, b)
+    present = jax.ops.segment_sum(sm_b, group_ids_b, b) > 0
+    return {
+        "reward/mean": mean,
+        "reward/std": jnp.sqrt(jnp.sum(sm_b * (rewards_b - mean) ** 2) / n),
+        "advantage/mean": adv_mean,
+        "advantage/std": jnp.sqrt(jnp.sum(tm_bt * (advantages_bt - adv_mean) ** 2) / n_tok),
+        "advantage/min": jnp.min(jnp.where(tm_bt > 0, advantages_bt, jnp.inf)),
+        "advantage/max": jnp.max(jnp.where(tm_bt > 0, advantages_bt, -jnp.inf)),
+        "reward/frac_groups_all_equal": jnp.sum(present & (gmax == gmin))
+        / jnp.maximum(jnp.sum(present), 1),
+    }
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
+    """Steps 1-3: the frozen forwards, logprob-error masking and advantages."""
+    temp, chunks = hparams["temperature"], flags.num_microbatches * flags.num_minibatches
+    data = {k: v for k, v in batch.items() if k not in ("rewards", "group_ids")}
+    metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
+    if flags.compute_ref_logprobs:
+        data["reference_logprobs"] = frozen_logprobs(
+            "ref", graphdef, ref_params, batch, temp, chunks
+        )
+    if flags.compute_prev_logprobs:
+        data["prev_logprobs"] = frozen_logprobs(
+            "prev", graphdef, state.params, batch, temp, chunks
+        )
+    if flags.use_logprob_error_threshold:
+        mask_bt = batch["token_mask"] * batch["sample_mask"][:, None]
+        e_b = losses.seq_logprob_error(
+            data["prev_logprobs"], batch["generation_logprobs"], mask_bt
+        )
+        keep_b = e_b <= hparams["seq_logprob_error_threshold"]
+        dropped_b = (batch["sample_mask"] > 0) & ~keep_b
+        metrics["logprob/num_masked_seqs_by_logprob_error"] = jnp.sum(dropped_b).astype(jnp.float32)
+        data["sample_mask"] = jnp.where(keep_b, batch["sample_mask"], 0.0)
+    adv_cfg = dataclasses.replace(flags.advantage, **hparams["advantage"])
+    kl_bt = None
+    if flags.loss.use_kl_in_reward:
+        beta = hparams["loss"]["reference_policy_kl_penalty"]
+        x_bt = data["reference_logprobs"] - data["prev_logprobs"]
+        kl_bt = beta * losses.kl_estimator(x_bt, flags.loss.reference_policy_kl_type)
+    data["advantages"] = losses.compute_token_advantages(
+        batch["rewards"], batch["group_ids"], batch["token_mask"], adv_cfg,
+        kl_bt=kl_bt, sample_mask_b=data["sample_mask"],
+    )
+    metrics.update(batch_statistics(batch | data, data["advantages"], batch["group_ids"]))
+    return data, metrics
+
+
+def accumulate_gradients(params, data, hparams, *, flags, graphdef):
+    """Sum of microbatch gradients of the minibatch loss (normalised by its global counts)."""
+    loss_cfg = dataclasses.replace(flags.loss, **hparams["loss"])
+    m_bt = data["token_mask"] * data["sample_mask"][:, None]
+    n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data["sample_mask"])
+
+    def loss_fn(params, mb):
+        with jax.named_scope("forward_policy"):
+            lp_bt = sequence_logprobs(graphdef, params, mb, hparams["temperature"])
+        return losses.policy_loss(lp_bt, mb, loss_cfg, n_tok, n_seq)
+
+    def micro(grads, mb):
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics_k = jax.lax.scan(micro, zeros, chunk_rows(data, flags.num_microbatches))
+    return grads, losses.combine_metrics(metrics_k)
+
+
+def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
+    """Step 4 for one minibatch: accumulate microbatch gradients, clip, update (or skip)."""
+    grads, metrics = accumulate_gradients(
+        state.params, data, hparams, flags=flags, graphdef=graphdef
+    )
+    grad_norm = optax.global_norm(grads)
+    scale = 1.0
+    if flags.clip_grad_norm:
+        max_norm = hparams["max_grad_norm"]
+        scale = jnp.where(grad_norm > max_norm, max_norm / jnp.maximum(grad_norm, 1e-30), 1.0)
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g * scale, grads), state.opt_state)
+    lr = hparams["learning_rate"] * schedule_factor(flags, state.step)
+    params = jax.tree.map(
+        lambda p, u: p - (lr * (u + hparams["weight_decay"] * p)).astype(p.dtype),
+        state.params, updates,
+    )
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss/total"])
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = TrainState(
+        keep(params, state.params), keep(opt_state, state.opt_state), state.step + finite
+    )
+    metrics |= {
+        "train/grad_norm": grad_norm,
+        "train/learning_rate": lr,
+        "train/skipped_updates": 1.0 - finite.astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
+def train_step(state, batch, hparams, ref_params, *, flags, graphdef, tx):
+    """One GRPO step on a rollout batch -> (new state, metrics)."""
+    data, metrics = prepare_batch(
+        state, batch, hparams, ref_params, flags=flags, graphdef=graphdef
+    )
+    update = lambda s, mb: optimizer_update(s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx)
+    state, metrics_m = jax.lax.scan(update, state, chunk_rows(data, flags.num_minibatches))
+    return state, metrics | reduce_minibatch_metrics(metrics_m)
+
+
+def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
+    """jit(train_step) for these flags; donates the state; pins the output state shardings."""
+    fn = lambda state, batch, hparams, ref_params: train_step(
+        state, batch, hparams, ref_params, flags=flags, graphdef=graphdef, tx=tx
+    )
+    out_shardings = None if state_shardings is None else (state_shardings, None)
+    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+
+
+def opt_state_shardings(tx, params_abstract, param_shardings, replicated):
+    """Param-shaped optimizer leaves follow their param; scalars (count) are replicated."""
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        jax.eval_shape(tx.init, params_abstract),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+    )
+
+
+def init_train_state(params, tx, state_shardings: TrainState | None = None) -> TrainState:
+    """Fresh optimizer state (placed with explicit shardings when given) and step 0."""
+    if state_shardings is None:
+        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
+    opt_state = jax.jit(tx.init, out_shardings=state_shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), state_shardings.step)
+    return TrainState(params, opt_state, step)
+
+
+def forwards_in_hlo(hlo_text: str) -> list[str]:
+    """Which named forwards a compiled program contains (read from op metadata)."""
+    return [name for name in FORWARDS if f"forward_{name}" in hlo_text]

@@ -1,0 +1,214 @@
+"""The jitted train step: compiled-graph proofs, invariances (microbatches, meshes), learning."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_rollout_batch
+from flax import nnx
+
+from jgrpo import sharding, step
+from jgrpo.config import load_config
+from jgrpo.models import Transformer, TransformerConfig
+
+MODEL = TransformerConfig(
+    family="qwen2",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention_bias=True,
+)
+BASE = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "optim.learning_rate=1e-3",
+    "rollout.temperature=0.9",
+]
+
+
+def build(overrides=(), mesh_shape=(1, 1, 1), seed=0):
+    """(jitted step, state, ref_params, hparams, batch on mesh, mesh, graphdef, flags)."""
+    cfg = load_config(None, BASE + list(overrides))
+    n = int(np.prod(mesh_shape))
+    mesh_cfg = dataclasses.replace(cfg.mesh, data=mesh_shape[0], fsdp=mesh_shape[1],
+                                   tensor=mesh_shape[2])
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
+    model = Transformer(MODEL, rngs=nnx.Rngs(seed), init_scale=0.2)
+    graphdef, model_state = nnx.split(model)
+    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(mesh_cfg))
+    params = sharding.shard_params(nnx.to_pure_dict(model_state), p_shard)
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)
+    tx = step.make_optimizer(cfg)
+    rep = sharding.replicated(mesh)
+    shardings = step.TrainState(p_shard, step.opt_state_shardings(tx, params, p_shard, rep), rep)
+    state = step.init_train_state(params, tx, shardings)
+    flags = step.StepFlags.from_config(cfg)
+    fn = step.make_train_step(flags, graphdef, tx, shardings)
+    batch = sharding.shard_batch(make_rollout_batch(0), mesh)
+    return fn, state, ref_params, step.make_hparams(cfg), batch, mesh, graphdef, flags
+
+
+def compiled(overrides):
+    fn, state, ref, hp, batch, *_ = build(overrides)
+    exe = fn.lower(state, batch, hp, ref).compile()
+    text = exe.as_text()
+    return exe.cost_analysis()["flops"], text.count(" dot("), step.forwards_in_hlo(text)
+
+
+def standalone_forward_cost():
+    _, state, _, hp, batch, _, graphdef, flags = build()
+    exe = jax.jit(
+        lambda p, b: step.frozen_logprobs("x", graphdef, p, b, hp["temperature"], 1)
+    ).lower(state.params, batch).compile()
+    return exe.cost_analysis()["flops"], exe.as_text().count(" dot(")
+
+
+def test_skipped_forwards_are_absent_from_the_compiled_program():
+    full = compiled(["loss.reference_policy_kl_penalty=0.1"])
+    no_prev = compiled(["loss.reference_policy_kl_penalty=0.1", "loss.force_on_policy_ratio=true"])
+    neither = compiled(["loss.force_on_policy_ratio=true"])
+    assert full[2] == ["ref", "prev", "policy"]
+    assert no_prev[2] == ["ref", "policy"]
+    assert neither[2] == ["policy"]
+    # each skipped forward removes one standalone forward's flops (up to the few elementwise
+    # loss terms that read it) and exactly its dots
+    fwd_flops, fwd_dots = standalone_forward_cost()
+    assert full[0] - no_prev[0] == pytest.approx(fwd_flops, rel=0.01)
+    assert no_prev[0] - neither[0] == pytest.approx(fwd_flops, rel=0.01)
+    assert fwd_dots > 0
+    assert full[1] - no_prev[1] == fwd_dots
+    assert no_prev[1] - neither[1] == fwd_dots
+    # the policy forward + backward costs more than one frozen forward: the remainder is real
+    assert neither[0] > 2 * fwd_flops
+
+
+def test_float_hyperparameters_do_not_recompile():
+    fn, state, ref, hp, batch, *_ = build(["loss.reference_policy_kl_penalty=0.1"])
+    state, _ = fn(state, batch, hp, ref)
+    for key, value in [("ratio_clip_min", 0.1), ("reference_policy_kl_penalty", 0.3)]:
+        hp = {**hp, "loss": {**hp["loss"], key: jnp.float32(value)}}
+        state, _ = fn(state, batch, hp, ref)
+    hp = {**hp, "learning_rate": jnp.float32(5e-4), "temperature": jnp.float32(0.7)}
+    state, metrics = fn(state, batch, hp, ref)
+    assert fn._cache_size() == 1
+    assert float(metrics["train/learning_rate"]) == pytest.approx(5e-4)
+
+
+def grads_for(num_microbatches, overrides=()):
+    fn, state, ref, hp, batch, mesh, graphdef, flags = build(
+        [f"grpo.num_microbatches={num_microbatches}", *overrides]
+    )
+    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    grads, metrics = jax.jit(
+        lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
+    )(state.params, data)
+    return jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.reference_policy_kl_penalty=0.1"],
+        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+        ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+    ],
+)
+def test_microbatch_count_does_not_change_loss_or_gradients(overrides):
+    ref_grads, ref_metrics = grads_for(1, overrides)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(ref_grads)) > 1e-3
+    for k in (2, 4):
+        grads, metrics = grads_for(k, overrides)
+        for key in ("loss/total", "loss/pg", "loss/kl", "ratio/max", "ratio/min"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], abs=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads, ref_grads)
+
+
+MESHES = [(1, 1, 1), (8, 1, 1), (2, 4, 1), (2, 2, 2)]
+
+
+def one_step_on(mesh_shape):
+    fn, state, ref, hp, batch, mesh, graphdef, flags = build(
+        ["loss.reference_policy_kl_penalty=0.1", "grpo.num_minibatches=2"], mesh_shape
+    )
+    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    grads, _ = jax.jit(
+        lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
+    )(state.params, data)
+    shard_shapes = {k: v.addressable_shards[0].data.shape for k, v in state.params["layers"].items()}
+    new_state, metrics = fn(state, batch, hp, ref)
+    return (
+        float(metrics["loss/total"]),
+        jax.tree.map(np.asarray, grads),
+        jax.tree.map(np.asarray, new_state.params),
+        shard_shapes,
+        new_state,
+    )
+
+
+def test_meshes_agree_and_really_shard():
+    results = {shape: one_step_on(shape) for shape in MESHES}
+    loss0, grads0, params0, shards0, _ = results[(1, 1, 1)]
+    for shape, (loss, grads, params, shards, new_state) in results.items():
+        assert loss == pytest.approx(loss0, abs=1e-5), shape
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
+        _, fsdp, tensor = shape
+        # q: [layers, embed, heads, head_dim] -> embed over fsdp, heads over tensor
+        assert shards["q"] == (2, 32 // fsdp, 4 // tensor, 8), shape
+        assert shards["gate"] == (2, 32 // fsdp, 64 // tensor), shape
+        # the output state keeps the param shardings (step two would not recompile)
+        q = new_state.params["layers"]["q"]
+        assert q.addressable_shards[0].data.shape == shards["q"]
+
+
+def test_nonfinite_update_is_skipped(rollout_batch):
+    fn, state, ref, hp, _, mesh, *_ = build()
+    bad = dict(rollout_batch, rewards=rollout_batch["rewards"] * np.nan)
+    before = jax.tree.map(np.asarray, state.params)
+    state, metrics = fn(state, sharding.shard_batch(bad, mesh), hp, ref)
+    assert float(metrics["train/skipped_updates"]) == 1.0
+    assert int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)
+
+
+def test_metric_keys_identical_across_flags():
+    key_sets = []
+    for overrides in (
+        [],
+        ["loss.force_on_policy_ratio=true"],
+        ["loss.reference_policy_kl_penalty=0.05", "grpo.seq_logprob_error_threshold=2.0"],
+        ["grpo.num_minibatches=2", "grpo.num_microbatches=2"],
+    ):
+        fn, state, ref, hp, batch, *_ = build(overrides)
+        _, metrics = fn(state, batch, hp, ref)
+        key_sets.append(set(metrics))
+        assert all(np.isfinite(float(v)) for v in metrics.values()), overrides
+    assert all(keys == key_sets[0] for keys in key_sets)
+    assert {"loss/total", "kl/penalty", "logprob/token_mult_prob_error", "reward/mean",
+            "train/grad_norm", "train/learning_rate", "ratio/clip_fraction"} <= key_sets[0]
+
+
+def test_steps_raise_logprob_of_positive_advantage_completions():
+    fn, state, ref, hp, batch, mesh, graphdef, flags = build(["optim.learning_rate=3e-3"])
+    host = make_rollout_batch(0)
+    mask = host["token_mask"]
+    positive = np.zeros(len(host["rewards"]), bool)
+    for g in np.unique(host["group_ids"]):
+        rows = host["group_ids"] == g
+        positive |= rows & (host["rewards"] > host["rewards"][rows].mean())
+    assert positive.any()
+
+    def mean_logprob(params):
+        lp = np.asarray(step.sequence_logprobs(graphdef, params, batch, hp["temperature"]))
+        return (lp * mask)[positive].sum() / mask[positive].sum()
+
+    start = mean_logprob(state.params)
+    for _ in range(5):
+        state, _ = fn(state, batch, hp, ref)
+    assert mean_logprob(state.params) > start + 0.1
