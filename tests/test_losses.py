@@ -22,14 +22,31 @@ from jgrpo.losses import (
 ATOL, RTOL = 1e-6, 1e-5
 
 EXPECTED_KEYS = {
-    "loss/total", "loss/pg", "loss/kl", "kl/penalty",
-    "logprob/token_mult_prob_error", "logprob/gen_kl_error", "logprob/policy_kl_error",
-    "logprob/js_divergence_error", "logprob/seq_error_mean", "logprob/seq_error_min",
-    "logprob/seq_error_max", "is/sampling_importance_ratio", "is/oob_ratio",
-    "ratio/mean", "ratio/min", "ratio/max", "ratio/clamped_mean", "ratio/clamped_min",
-    "ratio/clamped_max", "ratio/clip_fraction", "ratio/dual_clip_fraction",
-    "policy/approx_entropy", "batch/num_valid_tokens", "batch/num_valid_seqs",
-}  # fmt: skip
+    "loss/total",
+    "loss/pg",
+    "loss/kl",
+    "kl/penalty",
+    "logprob/token_mult_prob_error",
+    "logprob/gen_kl_error",
+    "logprob/policy_kl_error",
+    "logprob/js_divergence_error",
+    "logprob/seq_error_mean",
+    "logprob/seq_error_min",
+    "logprob/seq_error_max",
+    "is/sampling_importance_ratio",
+    "is/oob_ratio",
+    "ratio/mean",
+    "ratio/min",
+    "ratio/max",
+    "ratio/clamped_mean",
+    "ratio/clamped_min",
+    "ratio/clamped_max",
+    "ratio/clip_fraction",
+    "ratio/dual_clip_fraction",
+    "policy/approx_entropy",
+    "batch/num_valid_tokens",
+    "batch/num_valid_seqs",
+}
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -50,8 +67,14 @@ def make_batch(seed=0, b=6, t=7, spread=0.5):
         tm[i, start : start + 2 + (3 * i) % (t - 2)] = 1.0
     sm = np.ones(b)
     sm[b // 2] = 0.0
-    batch = dict(prev_logprobs=lo, generation_logprobs=lg, reference_logprobs=lr,
-                 advantages=adv, token_mask=tm, sample_mask=sm)  # fmt: skip
+    batch = dict(
+        prev_logprobs=lo,
+        generation_logprobs=lg,
+        reference_logprobs=lr,
+        advantages=adv,
+        token_mask=tm,
+        sample_mask=sm,
+    )
     return lp, batch
 
 
@@ -64,8 +87,9 @@ def run_loss(lp, batch, cfg):
     n_tok, n_seq = counts(batch)
     jb = {k: jnp.asarray(v, jnp.float32) for k, v in batch.items()}
     loss, metrics = policy_loss(jnp.asarray(lp, jnp.float32), jb, cfg, n_tok, n_seq)
-    return float(loss), {k: float(v) for k, v in combine_metrics(
-        {k: v[None] for k, v in metrics.items()}).items()}  # fmt: skip
+    return float(loss), {
+        k: float(v) for k, v in combine_metrics({k: v[None] for k, v in metrics.items()}).items()
+    }
 
 
 # ----------------------------------------------------------------------------- NumPy reference
@@ -151,7 +175,9 @@ def np_policy_loss(lp, batch, cfg):
     k3 = lambda d: np.exp(d) - d - 1
     on = m > 0
     return {
-        "loss/total": loss_pg + beta * kl, "loss/pg": loss_pg, "loss/kl": beta * kl,
+        "loss/total": loss_pg + beta * kl,
+        "loss/pg": loss_pg,
+        "loss/kl": beta * kl,
         "kl/penalty": kl,
         "logprob/token_mult_prob_error": tmean(np.exp(np.abs(lg - lo))),
         "logprob/gen_kl_error": tmean(np_kl(lo - lg, cfg.reference_policy_kl_type)),
@@ -159,12 +185,15 @@ def np_policy_loss(lp, batch, cfg):
         "logprob/js_divergence_error": tmean(0.5 * k3(lo - mix) + 0.5 * k3(lg - mix)),
         "is/sampling_importance_ratio": tmean(w),
         "is/oob_ratio": oob,
-        "ratio/mean": tmean(r), "ratio/min": r[on].min(), "ratio/max": r[on].max(),
-        "ratio/clamped_mean": tmean(rc), "ratio/clamped_min": rc[on].min(),
+        "ratio/mean": tmean(r),
+        "ratio/min": r[on].min(),
+        "ratio/max": r[on].max(),
+        "ratio/clamped_mean": tmean(rc),
+        "ratio/clamped_min": rc[on].min(),
         "ratio/clamped_max": rc[on].max(),
         "ratio/clip_fraction": tmean(r != rc),
         "policy/approx_entropy": -tmean(np.exp(lp - lg) * lp),
-    }  # fmt: skip
+    }
 
 
 def assert_matches_reference(lp, batch, cfg):
@@ -225,20 +254,26 @@ PARITY_CFGS = {
     "reinforce": LossConfig(disable_ppo_ratio=True),
     "force": LossConfig(force_on_policy_ratio=True),
     "is_plain": LossConfig(use_importance_sampling_correction=True),
-    "tis": LossConfig(use_importance_sampling_correction=True,
-                      truncated_importance_sampling_type="tis",
-                      truncated_importance_sampling_ratio=1.3,
-                      truncated_importance_sampling_ratio_min=0.8),
-    "icepop": LossConfig(use_importance_sampling_correction=True,
-                         truncated_importance_sampling_type="icepop",
-                         truncated_importance_sampling_ratio=1.5,
-                         truncated_importance_sampling_ratio_min=0.7),
-    "seq_mask_tis": LossConfig(use_importance_sampling_correction=True,
-                               truncated_importance_sampling_type="seq-mask-tis",
-                               truncated_importance_sampling_ratio=1.2,
-                               truncated_importance_sampling_ratio_min=0.9),
+    "tis": LossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.3,
+        truncated_importance_sampling_ratio_min=0.8,
+    ),
+    "icepop": LossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.7,
+    ),
+    "seq_mask_tis": LossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.2,
+        truncated_importance_sampling_ratio_min=0.9,
+    ),
     "kl_in_reward": LossConfig(reference_policy_kl_penalty=0.1, use_kl_in_reward=True),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", PARITY_CFGS)
@@ -260,9 +295,13 @@ def test_policy_loss_matches_numpy(name):
 @pytest.mark.parametrize("clamps", [(None, None), (20.0, 10.0), (1.0, 0.8)])
 @pytest.mark.parametrize("on_policy_approx", [False, True])
 def test_kl_penalty_matches_numpy(kind, clamps, on_policy_approx):
-    cfg = LossConfig(reference_policy_kl_penalty=0.3, reference_policy_kl_type=kind,
-                     kl_input_clamp_value=clamps[0], kl_output_clamp_value=clamps[1],
-                     use_on_policy_kl_approximation=on_policy_approx)  # fmt: skip
+    cfg = LossConfig(
+        reference_policy_kl_penalty=0.3,
+        reference_policy_kl_type=kind,
+        kl_input_clamp_value=clamps[0],
+        kl_output_clamp_value=clamps[1],
+        use_on_policy_kl_approximation=on_policy_approx,
+    )
     lp, batch = make_batch(1)
     metrics = assert_matches_reference(lp, batch, cfg)
     assert metrics["kl/penalty"] != 0
@@ -274,9 +313,12 @@ def test_kl_penalty_matches_numpy(kind, clamps, on_policy_approx):
 
 def test_missing_optional_inputs_match_numpy_and_placeholders():
     lp, full = make_batch(2)
-    cfg = LossConfig(reference_policy_kl_penalty=0.2, use_importance_sampling_correction=True,
-                     truncated_importance_sampling_type="tis",
-                     truncated_importance_sampling_ratio=1.1)  # fmt: skip
+    cfg = LossConfig(
+        reference_policy_kl_penalty=0.2,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.1,
+    )
     for drop in ["prev_logprobs", "generation_logprobs", "reference_logprobs"]:
         batch = {k: v for k, v in full.items() if k != drop}
         metrics = assert_matches_reference(lp, batch, cfg)
@@ -321,8 +363,9 @@ def test_k3_gradient_contract(in_clamp):
     lp, batch = make_batch(3)
     batch["advantages"] = np.zeros_like(lp)  # isolate loss_kl
     beta = 0.25
-    cfg = LossConfig(reference_policy_kl_penalty=beta, kl_input_clamp_value=in_clamp,
-                     kl_output_clamp_value=None)  # fmt: skip
+    cfg = LossConfig(
+        reference_policy_kl_penalty=beta, kl_input_clamp_value=in_clamp, kl_output_clamp_value=None
+    )
     x = batch["reference_logprobs"] - lp
     m = batch["token_mask"] * batch["sample_mask"][:, None]
     want = beta * (np_kl(x, "k3") + 1 - np.exp(x)) * m / counts(batch)[0]
@@ -351,7 +394,7 @@ def test_ppo_gradient_matches_analytic():
     a, m = batch["advantages"], batch["token_mask"] * batch["sample_mask"][:, None]
     r = np.exp(lp - batch["prev_logprobs"])
     rc = np.clip(r, 0.8, 1.2)
-    unclipped_active = (-a * r >= -a * rc)  # the max picks the unclipped branch
+    unclipped_active = -a * r >= -a * rc  # the max picks the unclipped branch
     want = np.where(unclipped_active & (r == rc) | (-a * r > -a * rc), -a * r, 0.0)
     want = want * m / counts(batch)[0]
     assert (want == 0)[m > 0].any() and (want != 0)[m > 0].any()
@@ -364,13 +407,21 @@ INVARIANCE_CFGS = [
     LossConfig(reference_policy_kl_penalty=0.1),
     LossConfig(aggregation="seq_mean", reference_policy_kl_penalty=0.1, ratio_clip_c=1.5),
     LossConfig(aggregation="seq_sum_norm", sequence_level_importance_ratios=True),
-    LossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-               truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
-    LossConfig(use_importance_sampling_correction=True,
-               truncated_importance_sampling_type="seq-mask-tis",
-               truncated_importance_sampling_ratio=1.2, truncated_importance_sampling_ratio_min=0.9,
-               reference_policy_kl_penalty=0.1, use_on_policy_kl_approximation=True),
-]  # fmt: skip
+    LossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.7,
+    ),
+    LossConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.2,
+        truncated_importance_sampling_ratio_min=0.9,
+        reference_policy_kl_penalty=0.1,
+        use_on_policy_kl_approximation=True,
+    ),
+]
 
 
 @pytest.mark.parametrize("cfg", INVARIANCE_CFGS)
@@ -390,8 +441,10 @@ def test_microbatch_invariance(cfg):
     results = {}
     for num in (1, 2, 4):
         size = 8 // num
-        outs = [jax.value_and_grad(micro, has_aux=True)(theta, slice(i * size, (i + 1) * size))
-                for i in range(num)]  # fmt: skip
+        outs = [
+            jax.value_and_grad(micro, has_aux=True)(theta, slice(i * size, (i + 1) * size))
+            for i in range(num)
+        ]
         loss = sum(float(l) for (l, _), _ in outs)
         grad = sum(np.asarray(g, np.float64) for _, g in outs)
         stacked = {k: jnp.stack([aux[k] for (_, aux), _ in outs]) for k in outs[0][0][1]}
@@ -408,8 +461,12 @@ def test_microbatch_invariance(cfg):
 
 
 def test_combine_metrics_rules():
-    stacked = {"a/min": jnp.array([3.0, jnp.inf, 1.0]), "ratio/clamped_max": jnp.array([-jnp.inf] * 3),
-               "x/seq_error_min": jnp.array([jnp.inf, jnp.inf]), "loss/pg": jnp.array([0.5, 0.25])}  # fmt: skip
+    stacked = {
+        "a/min": jnp.array([3.0, jnp.inf, 1.0]),
+        "ratio/clamped_max": jnp.array([-jnp.inf] * 3),
+        "x/seq_error_min": jnp.array([jnp.inf, jnp.inf]),
+        "loss/pg": jnp.array([0.5, 0.25]),
+    }
     out = combine_metrics(stacked)
     assert float(out["a/min"]) == 1.0
     assert float(out["ratio/clamped_max"]) == 0.0
@@ -425,8 +482,11 @@ def test_jit_with_traced_float_cfg_equals_eager(cfg):
     lp, batch = make_batch(8)
     n_tok, n_seq = counts(batch)
     jb = {k: jnp.asarray(v, jnp.float32) for k, v in batch.items()}
-    floats = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-              if isinstance(getattr(cfg, f.name), float)}  # fmt: skip
+    floats = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if isinstance(getattr(cfg, f.name), float)
+    }
 
     @jax.jit
     def step(lp, batch, floats):
@@ -455,7 +515,7 @@ def test_all_zero_mask_gives_exact_zero():
     batch["token_mask"] = np.zeros_like(lp)
     for cfg in [INVARIANCE_CFGS[1], INVARIANCE_CFGS[4], PARITY_CFGS["tis"]]:
         jb = {k: jnp.asarray(v, jnp.float32) for k, v in batch.items()}
-        f = lambda x: policy_loss(x, jb, cfg, 0, 0)
+        f = lambda x, jb=jb, cfg=cfg: policy_loss(x, jb, cfg, 0, 0)
         (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp, jnp.float32))
         assert float(loss) == 0.0
         assert not np.asarray(grad).any()
@@ -463,8 +523,9 @@ def test_all_zero_mask_gives_exact_zero():
         assert all(np.isfinite(float(v)) for v in combined.values())
 
 
-@pytest.mark.parametrize("cfg", [INVARIANCE_CFGS[3], INVARIANCE_CFGS[4], PARITY_CFGS["tis"],
-                                 PARITY_CFGS["is_plain"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg", [INVARIANCE_CFGS[3], INVARIANCE_CFGS[4], PARITY_CFGS["tis"], PARITY_CFGS["is_plain"]]
+)
 def test_nonfinite_generation_logprobs_give_finite_loss(cfg):
     lp, batch = make_batch(11)
     valid = np.argwhere(batch["token_mask"] * batch["sample_mask"][:, None] > 0)
@@ -493,8 +554,11 @@ def test_token_logprobs_matches_numpy():
     tokens = rng.integers(0, 11, (2, 5))
     out = np.asarray(token_logprobs(jnp.asarray(logits, jnp.bfloat16), tokens, 0.7))
     x = np.asarray(jnp.asarray(logits, jnp.bfloat16), np.float64) / 0.7
-    logp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
-        -1, keepdims=True)  # fmt: skip
+    logp = (
+        x
+        - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - x.max(-1, keepdims=True)
+    )
     want = np.zeros((2, 5))
     for b in range(2):
         for t in range(1, 5):
@@ -534,8 +598,11 @@ def np_advantages(r, g, cfg, valid=None):
         if len(idx) < 2 or vals.max() == vals.min():
             continue
         for i in idx:
-            base = (vals.sum() - r[i]) / (len(idx) - 1) if cfg.use_leave_one_out_baseline \
-                else vals.mean()  # fmt: skip
+            base = (
+                (vals.sum() - r[i]) / (len(idx) - 1)
+                if cfg.use_leave_one_out_baseline
+                else vals.mean()
+            )
             out[i] = r[i] - base
             if cfg.estimator == "grpo" and cfg.normalize_rewards:
                 out[i] /= vals.std(ddof=1) + 1e-6
@@ -543,12 +610,15 @@ def np_advantages(r, g, cfg, valid=None):
         mu = out[valid].mean()
         out = np.where(valid, (out - mu) / np.sqrt(max(out[valid].var(), 1e-8)), 0.0)
     lo, hi = cfg.advantage_clip_low, cfg.advantage_clip_high
-    return np.where(valid, np.clip(out, -np.inf if lo is None else lo, np.inf if hi is None else hi), 0)
+    lo = -np.inf if lo is None else lo
+    hi = np.inf if hi is None else hi
+    return np.where(valid, np.clip(out, lo, hi), 0.0)
 
 
 def test_advantage_reference_vectors():
-    got = compute_advantages(jnp.array([2.0, 2.0, 1.0, 3.0]), jnp.array([0, 0, 1, 1]),
-                             AdvantageConfig())  # fmt: skip
+    got = compute_advantages(
+        jnp.array([2.0, 2.0, 1.0, 3.0]), jnp.array([0, 0, 1, 1]), AdvantageConfig()
+    )
     np.testing.assert_allclose(got, [0, 0, -0.7071, 0.7071], atol=1e-4)
     np.testing.assert_allclose(got[2:], [-1 / (2**0.5 + 1e-6), 1 / (2**0.5 + 1e-6)], rtol=1e-6)
     loo = AdvantageConfig(use_leave_one_out_baseline=True, normalize_rewards=False)
@@ -556,14 +626,17 @@ def test_advantage_reference_vectors():
     np.testing.assert_allclose(got, np.array([1.0, 2.0, 3.0]) - [2.5, 2.0, 1.5], atol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [
-    AdvantageConfig(),
-    AdvantageConfig(use_leave_one_out_baseline=True),
-    AdvantageConfig(estimator="dr_grpo"),
-    AdvantageConfig(estimator="dr_grpo", use_leave_one_out_baseline=True),
-    AdvantageConfig(advantage_clip_low=-0.5, advantage_clip_high=0.8),
-    AdvantageConfig(estimator="reinforce_plus_plus"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        AdvantageConfig(),
+        AdvantageConfig(use_leave_one_out_baseline=True),
+        AdvantageConfig(estimator="dr_grpo"),
+        AdvantageConfig(estimator="dr_grpo", use_leave_one_out_baseline=True),
+        AdvantageConfig(advantage_clip_low=-0.5, advantage_clip_high=0.8),
+        AdvantageConfig(estimator="reinforce_plus_plus"),
+    ],
+)
 def test_advantages_match_numpy(cfg):
     rng = np.random.default_rng(13)
     r = rng.normal(size=12)
@@ -589,8 +662,11 @@ def test_equal_rewards_give_exact_zero_despite_fp32_residue():
     r32 = np.full(3, 0.9, np.float32)
     naive_mean = np.float32(np.float32(r32[0] + r32[1]) + r32[2]) / np.float32(3)
     assert r32[0] - naive_mean != 0  # what a std > 0 test would have scaled up
-    for cfg in [AdvantageConfig(), AdvantageConfig(use_leave_one_out_baseline=True),
-                AdvantageConfig(estimator="dr_grpo")]:  # fmt: skip
+    for cfg in [
+        AdvantageConfig(),
+        AdvantageConfig(use_leave_one_out_baseline=True),
+        AdvantageConfig(estimator="dr_grpo"),
+    ]:
         got = np.asarray(compute_advantages(jnp.asarray(r64), jnp.asarray(g), cfg))
         assert (got[:7] == 0.0).all()
         assert (np.abs(got[7:]) > 0).all()  # a real 1e-4 difference is signal, not residue
@@ -614,8 +690,13 @@ def test_token_advantages_reinforce_pp_matches_numpy(with_kl):
     mask = (rng.random((6, 5)) > 0.3).astype(np.float64)
     kl = 0.05 * rng.random((6, 5))
     cfg = AdvantageConfig(estimator="reinforce_plus_plus", advantage_clip_high=1.5)
-    got = compute_token_advantages(jnp.asarray(r, jnp.float32), jnp.asarray(g), mask, cfg,
-                                   kl_bt=jnp.asarray(kl, jnp.float32) if with_kl else None)
+    got = compute_token_advantages(
+        jnp.asarray(r, jnp.float32),
+        jnp.asarray(g),
+        mask,
+        cfg,
+        kl_bt=jnp.asarray(kl, jnp.float32) if with_kl else None,
+    )
     mean = np.array([r[g == gi].mean() for gi in g])
     a = (r - mean)[:, None] - (kl if with_kl else 0.0)
     mu = (a * mask).sum() / mask.sum()
