@@ -260,7 +260,7 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
     grads, metrics = accumulate_gradients(
         state.params, data, hparams, flags=flags, graphdef=graphdef
     )
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     scale = 1.0
     if flags.clip_grad_norm:
         max_norm = hparams["max_grad_norm"]

@@ -1,0 +1,43 @@
+"""The rollout layer: generation and scoring behind one backend protocol.
+
+    backend.publish(params, version) -> metrics   # new weights after a train step
+    backend.request(step, examples)               # ask for step's batch (may start at once)
+    backend.collect(step) -> RolloutResult        # blocks until that batch is scored
+    backend.evaluate(examples, step, pass_k)      # validation generations
+    backend.close()
+
+`rollout.backend: local` runs the engine in-process on the trainer's params;
+`rollout.backend: ray` runs RolloutWorker actors (jgrpo.rollout.ray_backend, the only module
+of jgrpo that imports ray). The trainer only ever sees numpy batches.
+"""
+
+from jgrpo.rollout.engine import (
+    STEP_KEYS,
+    RolloutEngine,
+    RolloutResult,
+    build_engine,
+    concat_results,
+    load_tokenizer,
+    step_key,
+)
+from jgrpo.rollout.local import LocalRollout
+
+__all__ = [
+    "STEP_KEYS",
+    "LocalRollout",
+    "RolloutEngine",
+    "RolloutResult",
+    "build_engine",
+    "concat_results",
+    "load_tokenizer",
+    "step_key",
+]
+
+
+def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder):
+    """The configured backend (rollout.backend)."""
+    if cfg.rollout.backend == "local":
+        return LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
+    from jgrpo.rollout.ray_backend import RayRollout  # the only ray import of jgrpo
+
+    return RayRollout(cfg, model_folder)

@@ -1,0 +1,199 @@
+"""The rollout core shared by every backend: prompts -> completions -> scored numpy batch.
+
+`RolloutEngine` holds the tokenizer, the task (for prompts and rewards) and the sampling
+settings; it does not own weights: each call receives the (graphdef, params) to sample from, so
+the in-process backend samples from the trainer's own arrays and a Ray worker from its copy.
+
+The batch it returns is the trainer's input (the step's batch contract, numpy only):
+  input_ids [B, T] (left-padded prompt ++ completion, pad after the end), attention_mask [B, T],
+  token_mask [B, T] (1 on generated tokens, the stop token included), generation_logprobs [B, T]
+  (the sampler's logprob of each generated token, aligned with it; 0 elsewhere), rewards [B],
+  group_ids [B] (the prompt's index in the step), sample_mask [B], plus weight_version [B]
+  (the params version each row was sampled with), lengths [B] and truncated [B].
+B = len(examples) x G; T = P + N with P the bucketed prompt width and N = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from jgrpo import sampling
+from jgrpo.config import Config
+
+STEP_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "token_mask",
+    "generation_logprobs",
+    "rewards",
+    "group_ids",
+    "sample_mask",
+)
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    """One scored rollout batch (numpy) with its per-batch statistics."""
+
+    batch: dict[str, np.ndarray]
+    stats: dict[str, float]
+    samples: list[dict[str, Any]]
+    """A few (prompt, completion, reward) records for logging."""
+
+    def step_batch(self) -> dict[str, np.ndarray]:
+        return {k: self.batch[k] for k in STEP_KEYS}
+
+
+def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> RolloutResult:
+    """Join per-worker results (rows in order); group ids are shifted by `group_offsets`."""
+    width = max(r.batch["input_ids"].shape[1] for r in results)
+    parts = []
+    for r, offset in zip(results, group_offsets):
+        b = dict(r.batch)
+        b["group_ids"] = b["group_ids"] + offset
+        pad = width - b["input_ids"].shape[1]
+        if pad:  # different prompt buckets: left-pad the narrower batch
+            for key in ("input_ids", "attention_mask", "token_mask", "generation_logprobs"):
+                b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
+        parts.append(b)
+    batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return RolloutResult(batch, batch_stats(batch, results), [s for r in results for s in r.samples])
+
+
+def batch_stats(batch: dict[str, np.ndarray], results=()) -> dict[str, float]:
+    lengths = batch["lengths"].astype(np.float64)
+    stats = {
+        "length/mean": float(lengths.mean()),
+        "length/min": float(lengths.min()),
+        "length/max": float(lengths.max()),
+        "length/truncation_rate": float(batch["truncated"].mean()),
+        "reward/accuracy": float(batch["correct"].mean()),
+        "reward/num_errors": float(sum(r.stats.get("reward/num_errors", 0) for r in results)),
+        "reward/num_timeouts": float(sum(r.stats.get("reward/num_timeouts", 0) for r in results)),
+        "rollout/weight_version_min": float(batch["weight_version"].min()),
+        "rollout/weight_version_max": float(batch["weight_version"].max()),
+    }
+    return stats
+
+
+class RolloutEngine:
+    """Turns examples into a scored batch with the given params (see module docstring)."""
+
+    def __init__(self, cfg: Config, model_cfg, tokenizer, task):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.task = task
+        stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        self.train_params = sampling.SamplingParams.from_rollout_config(
+            cfg.rollout, stop_token_ids=stops, pad_id=pad
+        )
+        self.greedy_params = dataclasses.replace(
+            self.train_params, temperature=0.0, top_p=1.0, top_k=None
+        )
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - prompts repeat across epochs
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompts(self, examples) -> tuple[list[str], list[list[int]]]:
+        texts = [self.task.format_prompt(ex, self.tokenizer) for ex in examples]
+        return texts, [list(self._encode(t)) for t in texts]
+
+    def rollout(
+        self, graphdef, params, examples, key, version: int, num_generations: int, greedy=False
+    ) -> RolloutResult:
+        """Sample `num_generations` completions per example and score them."""
+        texts, token_lists = self.prompts(examples)
+        rows = [i for i in range(len(examples)) for _ in range(num_generations)]
+        params_s = self.greedy_params if greedy else self.train_params
+        gen = sampling.generate((graphdef, params), [token_lists[i] for i in rows], params_s, key)
+        completions = [
+            self.tokenizer.decode(gen.tokens[b, : gen.lengths[b]], skip_special_tokens=True)
+            for b in range(len(rows))
+        ]
+        row_examples = [examples[i] for i in rows]
+        rewards, info = self.task.score([texts[i] for i in rows], completions, row_examples)
+        batch = assemble_batch(gen, rows, rewards, version)
+        batch["correct"] = np.asarray(info["correct"], bool)
+        stats = {
+            "reward/num_errors": float(info["num_reward_errors"]),
+            "reward/num_timeouts": float(info["num_reward_timeouts"]),
+        }
+        samples = [
+            {"prompt": texts[rows[b]], "completion": completions[b], "reward": float(rewards[b])}
+            for b in range(min(4, len(rows)))
+        ]
+        result = RolloutResult(batch, {}, samples)
+        result.stats = stats | batch_stats(batch, [result])
+        return result
+
+
+def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dict:
+    """Prompt ++ completion arrays in the step's batch contract."""
+    b, n = gen.tokens.shape
+    p = gen.prompt_tokens.shape[1]
+    prompt_mask = np.arange(p)[None, :] >= (p - gen.prompt_lengths[:, None])
+    gen_mask = np.arange(n)[None, :] < gen.lengths[:, None]
+    token_mask = np.concatenate([np.zeros((b, p), bool), gen_mask], axis=1)
+    return {
+        "input_ids": np.concatenate([gen.prompt_tokens, gen.tokens], axis=1).astype(np.int32),
+        "attention_mask": np.concatenate([prompt_mask, gen_mask], axis=1).astype(np.float32),
+        "token_mask": token_mask.astype(np.float32),
+        "generation_logprobs": np.concatenate(
+            [np.zeros((b, p), np.float32), np.where(gen_mask, gen.logprobs, 0.0)], axis=1
+        ).astype(np.float32),
+        "rewards": np.asarray(rewards, np.float32),
+        "group_ids": np.asarray(rows, np.int32),
+        "sample_mask": np.ones(b, np.float32),
+        "weight_version": np.full(b, version, np.int32),
+        "lengths": gen.lengths.astype(np.int32),
+        "truncated": gen.truncated.astype(bool),
+    }
+
+
+def step_key(seed: int, step: int, salt: int = 0):
+    """The sampling key of training step `step` (salt separates validation draws)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), step)
+
+
+def load_tokenizer(folder):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_graphdef(model_cfg):
+    """The NNX graph of a model config, without allocating parameters."""
+    from flax import nnx
+
+    from jgrpo.models import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)[0]
+
+
+def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
+    """(engine, graphdef) from the config alone: what a rollout worker process needs.
+
+    The task is built without its data (workers score, the trainer owns the data order)."""
+    import json
+    from pathlib import Path
+
+    from jgrpo.models import config_from_hf
+    from jgrpo.tasks import make_task
+
+    hf = json.loads((Path(model_folder) / "config.json").read_text())
+    model_cfg = config_from_hf(hf, dtype=cfg.model.dtype)
+    task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
+    engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
+    return engine, model_graphdef(model_cfg)

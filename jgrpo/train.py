@@ -1,0 +1,243 @@
+"""run(config): the GRPO loop, top to bottom. The CLI, notebooks and pods all call this.
+
+Per step s (0-based; metrics.jsonl line `step` = s + 1 = updates done):
+  collect the rollout batch of step s (generated with weights version s, or >= s - k in async
+  mode) -> one jitted train step -> publish the new params (version s + 1) to the sampler ->
+  request the batch of step s + 1 + k -> log -> validate every grpo.val_period -> checkpoint
+  every checkpoint.save_period.
+
+Resume: a checkpoint holds the train state (params, optimizer state, update count) and meta
+(the data-stream position before the first untrained step, the step). Sampling keys derive
+from (grpo.seed, step), so a killed and resumed run repeats the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+from flax import nnx
+
+from jgrpo import sharding, step
+from jgrpo.checkpoint import Checkpointer
+from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.metrics import MetricsLogger, plot_run
+from jgrpo.models import from_pretrained
+from jgrpo.models.sources import check_model_path, resolve_model_path
+from jgrpo.rollout import RolloutEngine, load_tokenizer, make_backend
+from jgrpo.tasks import make_task
+
+log = logging.getLogger("jgrpo")
+
+
+class RunStopped(RuntimeError):
+    """The run stopped early for a reason outside the step (e.g. the worker failure budget)."""
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a running GRPO job holds (built by `setup`)."""
+
+    cfg: Config
+    run_dir: Path
+    mesh: Any
+    graphdef: Any
+    state: step.TrainState
+    ref_params: Any
+    hparams: dict
+    step_fn: Any
+    task: Any
+    backend: Any
+    checkpointer: Checkpointer
+    start_step: int
+    data_state: dict
+    """Data-stream position before the examples of `start_step` were drawn."""
+
+
+def check_run(cfg: Config) -> None:
+    """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
+    check_model_path(cfg.model.path)
+    mesh_shape = sharding.resolve_mesh_shape(cfg.mesh, jax.device_count())
+    shards = mesh_shape[0] * mesh_shape[1]
+    g = cfg.grpo
+    rows = g.batch_size // (g.num_minibatches * g.num_microbatches)
+    if rows % shards:
+        raise ConfigError(
+            f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} rows "
+            f"split into {g.num_minibatches} minibatches x {g.num_microbatches} microbatches "
+            f"leaves {rows} rows per chunk, not divisible by mesh.data x mesh.fsdp = {shards}"
+        )
+
+
+def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
+    check_run(cfg)
+    task = make_task(cfg.data, cfg.grpo.seed)  # ConfigError before the model loads
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    folder = resolve_model_path(cfg.model.path)
+    model = from_pretrained(folder, dtype=cfg.model.dtype)
+    graphdef, model_state = nnx.split(model)
+    mesh = sharding.make_mesh(cfg.mesh)
+    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
+    params = sharding.shard_params(nnx.to_pure_dict(model_state), p_shard)
+    flags = step.StepFlags.from_config(cfg)
+    ref_params = jax.tree.map(lambda x: x.copy(), params) if flags.compute_ref_logprobs else None
+
+    tx = step.make_optimizer(cfg)
+    rep = sharding.replicated(mesh)
+    shardings = step.TrainState(p_shard, step.opt_state_shardings(tx, params, p_shard, rep), rep)
+    state = step.init_train_state(params, tx, shardings)
+    checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
+    start, data_state = 0, task.train.state()
+    latest = checkpointer.latest_step() if resume else None
+    if latest is not None:
+        state, meta = checkpointer.restore(latest, state)
+        start, data_state = meta["step"], meta["data_state"]
+        task.train.restore(data_state)
+        log.info("resumed from step %d", start)
+
+    tokenizer = load_tokenizer(folder)
+    engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
+    backend = make_backend(cfg, engine, graphdef, folder)
+    return Trainer(
+        cfg=cfg,
+        run_dir=run_dir,
+        mesh=mesh,
+        graphdef=graphdef,
+        state=state,
+        ref_params=ref_params,
+        hparams=step.make_hparams(cfg),
+        step_fn=step.make_train_step(flags, graphdef, tx, shardings),
+        task=task,
+        backend=backend,
+        checkpointer=checkpointer,
+        start_step=start,
+        data_state=data_state,
+    )
+
+
+def validate(t: Trainer, step_index: int) -> dict[str, float]:
+    """Held-out accuracy (greedy, or pass@k with k samples) with the current weights."""
+    k = t.cfg.grpo.val_pass_k
+    start = time.perf_counter()
+    result = t.backend.evaluate(t.task.val, step_index, pass_k=k)
+    correct = result.batch["correct"].reshape(len(t.task.val), k)
+    return {
+        "val/accuracy": float(correct.any(axis=1).mean()),
+        "val/reward_mean": float(result.batch["rewards"].mean()),
+        "val/length_mean": float(result.batch["lengths"].mean()),
+        "perf/val_s": time.perf_counter() - start,
+    }
+
+
+def save_checkpoint(t: Trainer, done: int, data_state: dict) -> None:
+    meta = {"step": done, "data_state": data_state, "config": to_dict(t.cfg)}
+    t.checkpointer.save(done, t.state, meta)
+
+
+def to_floats(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
+    """Train; returns the validation records [{step, val/accuracy, ...}].
+
+    The reference policy is the initial model of `cfg.model.path`, so a resumed run reloads it
+    from there exactly; the checkpoint does not duplicate it."""
+    run_dir = Path(run_dir)
+    t = setup(cfg, run_dir, resume)
+    g, k = cfg.grpo, cfg.rollout.max_staleness
+    resume_step = t.start_step if resume else None
+    logger = MetricsLogger(run_dir, cfg.logging, g.max_num_steps, resume_step=resume_step,
+                           run_config=to_dict(cfg))
+    data_states: dict[int, dict] = {}
+    history: list[dict] = []
+    try:
+        t.backend.publish(t.state.params, t.start_step)
+        for s in range(t.start_step, min(t.start_step + 1 + k, g.max_num_steps)):
+            data_states[s] = t.task.train.state()
+            t.backend.request(s, t.task.train.next_prompts(g.num_prompts_per_step))
+        if g.val_at_start and t.start_step == 0:
+            val = validate(t, 0)
+            history.append({"step": 0, **val})
+            logger.log(0, val)
+        for s in range(t.start_step, g.max_num_steps):
+            metrics = train_one_step(t, s, data_states)
+            done = s + 1
+            periodic = g.val_period and done % g.val_period == 0
+            if periodic or (g.val_at_end and done == g.max_num_steps):
+                val = validate(t, done)
+                history.append({"step": done, **val})
+                metrics |= val
+            logger.log(done, metrics)
+            last = done == g.max_num_steps
+            if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
+                save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+            data_states.pop(s, None)
+    finally:
+        logger.close()
+        t.backend.close()
+        t.checkpointer.close()
+    if cfg.logging.plot:
+        plot_run(run_dir)
+    return history
+
+
+def train_one_step(t: Trainer, s: int, data_states: dict[int, dict]) -> dict[str, float]:
+    g, k = t.cfg.grpo, t.cfg.rollout.max_staleness
+    start = time.perf_counter()
+    result = t.backend.collect(s)
+    gen_s = time.perf_counter() - start
+    batch = sharding.shard_batch(result.step_batch(), t.mesh)
+    t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params)
+    metrics = to_floats(step_metrics)  # waits for the step
+    train_s = time.perf_counter() - start - gen_s
+    sync = t.backend.publish(t.state.params, s + 1)
+    nxt = s + 1 + k
+    if nxt < g.max_num_steps:
+        data_states[nxt] = t.task.train.state()
+        t.backend.request(nxt, t.task.train.next_prompts(g.num_prompts_per_step))
+    total_s = time.perf_counter() - start
+    tokens = float(result.batch["lengths"].sum())
+    staleness = s - result.batch["weight_version"]
+    return {
+        "loss": metrics["loss/total"],
+        **metrics,
+        **result.stats,
+        **sync,
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/staleness_mean": float(staleness.mean()),
+        "perf/step_s": total_s,
+        "perf/generation_s": gen_s,
+        "perf/train_s": train_s,
+        "perf/tokens_per_s": tokens / max(total_s, 1e-9),
+    }
+
+
+def summarize(history: list[dict]) -> str:
+    """A before/after table of validation accuracy."""
+    if not history:
+        return "no validation was run"
+    first, last = history[0], history[-1]
+    rows = [
+        ("step", first["step"], last["step"]),
+        ("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"),
+        ("val/reward_mean", f"{first['val/reward_mean']:.3f}", f"{last['val/reward_mean']:.3f}"),
+        ("val/length_mean", f"{first['val/length_mean']:.1f}", f"{last['val/length_mean']:.1f}"),
+    ]
+    lines = [f"{'':18s}{'before':>10s}{'after':>10s}"]
+    lines += [f"{name:18s}{str(a):>10s}{str(b):>10s}" for name, a, b in rows]
+    return "\n".join(lines)
+
+
+def write_summary(run_dir: Path, history: list[dict]) -> None:
+    (Path(run_dir) / "summary.json").write_text(json.dumps(history, indent=2))
+
+
