@@ -113,11 +113,16 @@ def hf_greedy(hf_model, prompts, n, eos_ids):
 def test_greedy_matches_transformers_generate(pair):
     hf_model, model = pair
     prompts, n = make_prompts(LENGTHS), 24
-    free = generate(model, prompts, SamplingParams(max_new_tokens=n, temperature=0.0,
-                                                   prompt_bucket=8), jax.random.key(0))
+    free = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=n, temperature=0.0, prompt_bucket=8),
+        jax.random.key(0),
+    )
     stop = int(free.tokens[1, 6])  # an extra stop token that row 1 emits by its 7th token
-    params = SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(stop,),
-                            prompt_bucket=8)
+    params = SamplingParams(
+        max_new_tokens=n, temperature=0.0, stop_token_ids=(stop,), prompt_bucket=8
+    )
     gen = generate(model, prompts, params, jax.random.key(0))
     ref_tokens, ref_logits = hf_greedy(hf_model, prompts, n, (EOS, stop))
 
@@ -128,8 +133,9 @@ def test_greedy_matches_transformers_generate(pair):
     steps = ref_logits.shape[1]
     valid = np.arange(n)[None] < gen.lengths[:, None]
     ref_lp = np.take_along_axis(np.asarray(ref_lp), gen.tokens[:, :steps, None], -1)[..., 0]
-    np.testing.assert_allclose(gen.logprobs[:, :steps][valid[:, :steps]],
-                               ref_lp[valid[:, :steps]], atol=1e-4)
+    np.testing.assert_allclose(
+        gen.logprobs[:, :steps][valid[:, :steps]], ref_lp[valid[:, :steps]], atol=1e-4
+    )
     assert (gen.logprobs[~valid] == 0).all() and (gen.filtered_logprobs == 0).all()
 
 
@@ -165,8 +171,9 @@ def test_trainer_forward_reproduces_generation_logprobs(pair, case):
     else:
         np.testing.assert_allclose(gen.filtered_logprobs, gen.logprobs, atol=1e-6)
     if "top_k" in kw:
-        ranks = (np.asarray(scaled) > np.take_along_axis(np.asarray(scaled),
-                                                         gen.tokens[..., None], -1)).sum(-1)
+        ranks = (
+            np.asarray(scaled) > np.take_along_axis(np.asarray(scaled), gen.tokens[..., None], -1)
+        ).sum(-1)
         assert ranks[mask].max() < kw["top_k"]
 
 
@@ -185,13 +192,18 @@ def reference_filter(x, top_p, top_k):
                 break
             keep[order[j]] = True
             before += probs[j]
-        row[~keep] = -np.inf
+        row[row < row[keep].min()] = -np.inf  # a threshold: ties with the last kept stay
     return x
 
 
-@pytest.mark.parametrize("top_p,top_k", [(1.0, None), (0.7, None), (1.0, 5), (0.6, 10)])
-def test_filter_logits_matches_reference(top_p, top_k):
-    x = np.random.RandomState(0).normal(0, 2, (6, 40)).astype(np.float32)
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize(
+    "top_p,top_k", [(1.0, None), (0.7, None), (0.95, None), (0.01, None), (1.0, 5), (0.6, 10)]
+)
+def test_filter_logits_matches_reference(top_p, top_k, ties):
+    x = np.random.RandomState(0).normal(0, 2, (16, 300)).astype(np.float32)
+    if ties:
+        x = np.round(x)  # many exact ties, also at the thresholds
     out = np.asarray(filter_logits(jnp.asarray(x), jnp.float32(top_p), top_k))
     ref = reference_filter(x, top_p, top_k)
     np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
@@ -203,10 +215,18 @@ def test_filter_logits_matches_reference(top_p, top_k):
 def test_top_k_1_is_greedy(pair):
     _, model = pair
     prompts = make_prompts(LENGTHS, seed=2)
-    greedy = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=0.0,
-                                                     prompt_bucket=8), jax.random.key(0))
-    k1 = generate(model, prompts, SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1,
-                                                 prompt_bucket=8), jax.random.key(3))
+    greedy = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=10, temperature=0.0, prompt_bucket=8),
+        jax.random.key(0),
+    )
+    k1 = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=10, temperature=1.0, top_k=1, prompt_bucket=8),
+        jax.random.key(3),
+    )
     np.testing.assert_array_equal(k1.tokens, greedy.tokens)
     np.testing.assert_allclose(k1.logprobs, greedy.logprobs, atol=1e-6)
     np.testing.assert_array_equal(k1.filtered_logprobs, 0.0)
@@ -235,16 +255,21 @@ def test_stop_tokens_lengths_and_truncation(pair):
     assert free.num_decode_steps == n - 1
 
     stop = int(free.tokens[0, 3])
-    gen = generate(model, prompts, SamplingParams(max_new_tokens=n, prompt_bucket=8,
-                                                  ignore_eos=True, stop_token_ids=(stop,)), key)
+    gen = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=n, prompt_bucket=8, ignore_eos=True, stop_token_ids=(stop,)),
+        key,
+    )
     for row in range(len(prompts)):
         hits = np.flatnonzero(free.tokens[row] == stop)
         length = hits[0] + 1 if len(hits) else n
         assert gen.lengths[row] == length
         assert gen.truncated[row] == (len(hits) == 0)
         np.testing.assert_array_equal(gen.tokens[row, :length], free.tokens[row, :length])
-        np.testing.assert_allclose(gen.logprobs[row, :length], free.logprobs[row, :length],
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            gen.logprobs[row, :length], free.logprobs[row, :length], atol=1e-6
+        )
         assert (gen.tokens[row, length:] == PAD).all() and (gen.logprobs[row, length:] == 0).all()
     expected_steps = n - 1 if gen.truncated.any() else gen.lengths.max() - 1
     assert gen.num_decode_steps == expected_steps
@@ -252,8 +277,9 @@ def test_stop_tokens_lengths_and_truncation(pair):
 
 def test_early_exit_when_every_row_stops(pair):
     _, model = pair
-    params = SamplingParams(max_new_tokens=32, prompt_bucket=8,
-                            stop_token_ids=tuple(range(VOCAB)))  # every token stops
+    params = SamplingParams(
+        max_new_tokens=32, prompt_bucket=8, stop_token_ids=tuple(range(VOCAB))
+    )  # every token stops
     gen = generate(model, make_prompts(LENGTHS), params, jax.random.key(0))
     assert gen.num_decode_steps == 0
     assert (gen.lengths == 1).all() and not gen.truncated.any()
@@ -264,8 +290,12 @@ def test_model_eos_stops_rows(pair):
     """The model config's eos id (1) stops a row; greedy from a prompt whose argmax is eos."""
     _, model = pair
     prompts = make_prompts([4] * 64, seed=9)
-    gen = generate(model, prompts, SamplingParams(max_new_tokens=8, temperature=2.0,
-                                                  prompt_bucket=8), jax.random.key(11))
+    gen = generate(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=8, temperature=2.0, prompt_bucket=8),
+        jax.random.key(11),
+    )
     stopped = ~gen.truncated
     assert stopped.any(), "with 64 rows at T=2 some row samples eos within 8 tokens"
     last = gen.tokens[np.flatnonzero(stopped), gen.lengths[stopped] - 1]
@@ -282,8 +312,9 @@ def test_compile_count_per_bucket(pair):
     n = 6
     before = compile_count()
     for i, lengths in enumerate([[3, 5, 2, 8], [8, 1, 1, 1], [6, 7, 4, 2]]):
-        params = SamplingParams(max_new_tokens=n, temperature=0.5 + 0.2 * i,
-                                top_p=[1.0, 0.9, 0.95][i], prompt_bucket=8)
+        params = SamplingParams(
+            max_new_tokens=n, temperature=0.5 + 0.2 * i, top_p=[1.0, 0.9, 0.95][i], prompt_bucket=8
+        )
         split = nnx.split(model) if i == 2 else model  # (graphdef, state) shares the compile
         generate(split, make_prompts(lengths, seed=i), params, jax.random.key(i))
     assert compile_count() == before + 1
@@ -294,19 +325,29 @@ def test_compile_count_per_bucket(pair):
 
 
 def test_from_rollout_config():
-    rc = RolloutConfig(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=77,
-                       prompt_bucket=16)
+    rc = RolloutConfig(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=77, prompt_bucket=16)
     sp = SamplingParams.from_rollout_config(rc, stop_token_ids=(7,))
-    assert (sp.temperature, sp.top_p, sp.top_k, sp.max_new_tokens, sp.prompt_bucket,
-            sp.stop_token_ids) == (0.6, 0.95, 50, 77, 16, (7,))
+    assert (
+        sp.temperature,
+        sp.top_p,
+        sp.top_k,
+        sp.max_new_tokens,
+        sp.prompt_bucket,
+        sp.stop_token_ids,
+    ) == (0.6, 0.95, 50, 77, 16, (7,))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
 
 
 # ----------------------------------------------------------------------------- sharding
 
-RULES = {"embed": "fsdp", "vocab": "tensor", "mlp": "tensor", "heads": "tensor",
-         "kv_heads": "tensor"}
+RULES = {
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+}
 
 
 def shard_state(state, mesh):
@@ -330,8 +371,7 @@ def test_sharded_params_give_the_same_tokens(pair, temperature):
     specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(sharded)}
     assert any("tensor" in s for s in specs) and any("fsdp" in s for s in specs), specs
     assert len(q.sharding.device_set) == 8
-    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=0.9,
-                            prompt_bucket=8)
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=0.9, prompt_bucket=8)
     prompts = make_prompts(LENGTHS + [4, 6], seed=4)
     ref = generate((graphdef, state), prompts, params, jax.random.key(3))
     out = generate((graphdef, sharded), prompts, params, jax.random.key(3))
@@ -355,8 +395,7 @@ def test_smollm2_greedy_matches_transformers():
     model = from_pretrained(folder)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(10, 5000, n).tolist() for n in (7, 12, 4)]
-    params = SamplingParams(max_new_tokens=16, temperature=0.0, prompt_bucket=16,
-                            ignore_eos=True)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, prompt_bucket=16, pad_id=0)
     gen = generate(model, prompts, params, jax.random.key(0))
     width = max(map(len, prompts))
     ids = np.zeros((3, width), np.int64)
@@ -364,7 +403,14 @@ def test_smollm2_greedy_matches_transformers():
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
     with torch.no_grad():
-        out = hf_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                                pad_token_id=0)
-    np.testing.assert_array_equal(gen.tokens, out[:, width:].numpy())
+        out = hf_model.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=list(model.cfg.eos_token_ids),
+        )
+    ref = np.zeros((3, 16), np.int64)
+    ref[:, : out.shape[1] - width] = out[:, width:].numpy()
+    np.testing.assert_array_equal(gen.tokens, ref)
