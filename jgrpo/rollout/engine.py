@@ -62,10 +62,15 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
                 b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    return RolloutResult(batch, batch_stats(batch, results), [s for r in results for s in r.samples])
+    counts = {k: float(sum(r.stats[k] for r in results)) for k in REWARD_FAILURE_KEYS}
+    samples = [s for r in results for s in r.samples]
+    return RolloutResult(batch, batch_stats(batch) | counts, samples)
 
 
-def batch_stats(batch: dict[str, np.ndarray], results=()) -> dict[str, float]:
+REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts")
+
+
+def batch_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
     lengths = batch["lengths"].astype(np.float64)
     stats = {
         "length/mean": float(lengths.mean()),
@@ -73,8 +78,6 @@ def batch_stats(batch: dict[str, np.ndarray], results=()) -> dict[str, float]:
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
         "reward/accuracy": float(batch["correct"].mean()),
-        "reward/num_errors": float(sum(r.stats.get("reward/num_errors", 0) for r in results)),
-        "reward/num_timeouts": float(sum(r.stats.get("reward/num_timeouts", 0) for r in results)),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
     }
@@ -122,7 +125,7 @@ class RolloutEngine:
         rewards, info = self.task.score([texts[i] for i in rows], completions, row_examples)
         batch = assemble_batch(gen, rows, rewards, version)
         batch["correct"] = np.asarray(info["correct"], bool)
-        stats = {
+        counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
         }
@@ -130,9 +133,7 @@ class RolloutEngine:
             {"prompt": texts[rows[b]], "completion": completions[b], "reward": float(rewards[b])}
             for b in range(min(4, len(rows)))
         ]
-        result = RolloutResult(batch, {}, samples)
-        result.stats = stats | batch_stats(batch, [result])
-        return result
+        return RolloutResult(batch, batch_stats(batch) | counts, samples)
 
 
 def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dict:
@@ -197,3 +198,7 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)
+
+
+class RolloutFailure(RuntimeError):
+    """Rollout workers failed more often than rollout.max_worker_failures allows."""

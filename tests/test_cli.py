@@ -1,0 +1,270 @@
+"""The `jgrpo` command line: bad inputs exit 2 with one line naming the key; tiny runs end to end."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from jgrpo import cli
+from jgrpo.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    (tmp_path / "broken.yaml").write_text("grpo: [unclosed\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "wrong_fields.jsonl").write_text(json.dumps({"prompt": "1+1", "label": "2"}) + "\n")
+    return tmp_path
+
+
+BAD_INPUTS = [
+    # (argv after `train --config X`, or a full argv; the key/file the message must name)
+    (["--config", "{tmp}/missing.yaml"], "missing.yaml"),
+    (["--config", "{tmp}/broken.yaml"], "not valid YAML"),
+    (["--config", "{tmp}/list.yaml"], "mapping"),
+    (["grpo.num_promts_per_step=4"], "num_prompts_per_step"),
+    (["grpo.num_prompts_per_step=abc"], "grpo.num_prompts_per_step"),
+    (["grpo.num_prompts_per_step"], "dotted.key=value"),
+    (["optim.learning_rate=.nan"], "optim.learning_rate"),
+    (["optim.learning_rate=-1"], "optim.learning_rate"),
+    (["rollout.top_p=1.5"], "rollout.top_p"),
+    (["loss.aggregation=mean"], "loss.aggregation"),
+    (["loss.use_kl_in_reward=true", "loss.reference_policy_kl_penalty=0.1"], "use_kl_in_reward"),
+    (["loss.force_on_policy_ratio=true", "grpo.num_minibatches=2"], "force_on_policy_ratio"),
+    (["grpo.skip_reference_policy_logprobs_calculation=true",
+      "loss.reference_policy_kl_penalty=0.1"], "skip_reference_policy_logprobs_calculation"),
+    (["loss.use_importance_sampling_correction=true",
+      "loss.truncated_importance_sampling_type=tis",
+      "loss.truncated_importance_sampling_ratio=1.5",
+      "loss.truncated_importance_sampling_ratio_min=2.0"], "truncated_importance_sampling_ratio_min"),
+    (["loss.sequence_level_importance_ratios=true"], "sequence_level_importance_ratios"),
+    (["grpo.advantage.estimator=reinforce_plus_plus", "loss.use_kl_in_reward=true",
+      "loss.reference_policy_kl_penalty=0.1", "loss.force_on_policy_ratio=true"],
+     "use_kl_in_reward"),
+    (["rollout.backend=ray", "rollout.max_staleness=1"], "use_importance_sampling_correction"),
+    (["grpo.num_minibatches=3"], "grpo.num_minibatches"),
+    (["grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=2"], "mesh.data"),
+    (["model.path={tmp}/no_model"], "model.path"),
+    (["data.task=gsm8k", "data.train_path={tmp}/nothing.jsonl"], "data.train_path"),
+    (["data.task=gsm8k", "data.train_path={tmp}/wrong_fields.jsonl"], "data.question_key"),
+    (["data.reward_functions=[{function: 'no_such_module_xyz:fn'}]"], "data.reward_functions[0]"),
+    (["data.reward_functions=[{function: 'os.path'}]"], "data.reward_functions[0]"),
+    (["mesh.tensor=3"], "mesh"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD_INPUTS, ids=[b[1] for b in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(capsys, bad_files, argv, needle):
+    argv = [a.replace("{tmp}", str(bad_files)) for a in argv]
+    if argv[0] != "--config":
+        argv = ["--config", TINY, *argv]
+    start = time.perf_counter()
+    code, out, err = run_cli(capsys, "train", "--run-dir", str(bad_files / "run"), *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jgrpo: error:"), err
+    assert needle.replace("{tmp}", str(bad_files)) in lines[0]
+    assert "Traceback" not in err
+    assert not (bad_files / "run").exists(), "rejected before any run folder or model"
+    assert time.perf_counter() - start < 20
+
+
+def test_console_script_exit_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"jgrpo: error: config file {str(tmp_path / 'nope.yaml')!r} does not exist"
+    ]
+
+
+def test_show_config_prints_docs(capsys):
+    code, out, _ = run_cli(capsys, "train", "--config", TINY, "--show-config", "grpo.seed=7")
+    assert code == 0
+    assert "seed: 7  # Seeds data order, sampling and init." in out
+    assert "force_on_policy_ratio: false  #" in out
+
+
+def test_every_shipped_config_loads():
+    from jgrpo.config import load_config
+
+    files = sorted((REPO / "configs").glob("*.yaml"))
+    assert any(f.name == "tiny.yaml" for f in files)
+    for file in files:
+        load_config(file)
+
+
+PERF_PREFIXES = ("perf/", "rollout/weight_sync")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(PERF_PREFIXES)} for r in rows]
+
+
+def test_tiny_run_through_cli(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    code, out, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), "checkpoint.save_period=3"
+    )
+    assert code == 0, err
+    assert "val/accuracy" in out and "before" in out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(set(r) == set(rows[0]) for r in rows)
+    for r in rows[1:]:
+        assert math.isfinite(r["loss"]) and 0.0 <= r["reward/mean"] <= 1.0
+        assert r["train/skipped_updates"] == 0.0
+    assert rows[0]["val/accuracy"] is not None and rows[3]["val/accuracy"] is not None
+    assert rows[1]["val/accuracy"] is None
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["grpo"]["num_prompts_per_step"] == 4
+    assert list((run_dir / "tb").iterdir())
+
+    # export -> an HF folder transformers loads with our logits
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from jgrpo.models import from_pretrained
+
+    out_dir = tmp_path / "export"
+    code, _, err = run_cli(capsys, "export", str(run_dir), str(out_dir))
+    assert code == 0, err
+    ours = from_pretrained(out_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    ids = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray([ids]))), ref, atol=1e-4)
+
+    # eval of the checkpoint equals the run's final validation
+    code, out, err = run_cli(capsys, "eval", "--config", TINY, "--checkpoint", str(run_dir))
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["val/accuracy"] == rows[3]["val/accuracy"]
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path):
+    common = ["grpo.max_num_steps=4", "checkpoint.save_period=2", "grpo.val_period=2"]
+    full = tmp_path / "full"
+    assert run_cli(capsys, "train", "--config", TINY, "--run-dir", str(full), *common)[0] == 0
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir", str(killed),
+         *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if (killed / "checkpoints" / "2" / "commit_success.txt").exists():
+            rows = read_metrics(killed) if (killed / "metrics.jsonl").exists() else []
+            if any(r["step"] == 3 for r in rows) or proc.poll() is not None:
+                break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoints" / "4").exists(), "the kill came too late to test resume"
+
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
+    )
+    assert code == 0, err
+    assert comparable(read_metrics(killed)) == comparable(read_metrics(full))
+
+
+def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "import time\n"
+        "def boom(prompt, completion, example):\n    raise RuntimeError('bad reward')\n"
+        "def hang(prompt, completion, example):\n    time.sleep(3600)\n"
+        "def length(prompt, completion, example):\n    return 0.01 * len(completion)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    funcs = (
+        "data.reward_functions=[{function: 'my_rewards:boom'}, "
+        "{function: 'my_rewards:hang', weight: 2.0}, {function: 'my_rewards:length'}]"
+    )
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), funcs,
+        "data.reward_timeout_s=0.5", "grpo.max_num_steps=2", "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+    )
+    assert code == 0, err
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["reward/num_errors"] >= 16  # boom fails on every sample
+        assert r["reward/num_timeouts"] >= 1
+        assert r["reward/mean"] > 0  # the length term still scores
+    assert time.perf_counter() - start < 120
+
+
+def test_inspect_step_reports_forwards(capsys):
+    reports = {}
+    for name, overrides in {
+        "both": ["loss.reference_policy_kl_penalty=0.1"],
+        "on_policy": ["loss.force_on_policy_ratio=true", "loss.reference_policy_kl_penalty=0.1"],
+        "none": ["loss.force_on_policy_ratio=true", "loss.reference_policy_kl_penalty=0.0"],
+    }.items():
+        code, out, err = run_cli(capsys, "inspect-step", "--config", TINY, *overrides, "--json")
+        assert code == 0, err
+        reports[name] = json.loads(out.strip().splitlines()[-1])
+    assert reports["both"]["forwards"] == ["ref", "prev", "policy"]
+    assert reports["on_policy"]["forwards"] == ["ref", "policy"]
+    assert reports["none"]["forwards"] == ["policy"]
+    one_forward = reports["both"]["dot_ops"] - reports["on_policy"]["dot_ops"]
+    assert one_forward > 0
+    assert reports["on_policy"]["dot_ops"] - reports["none"]["dot_ops"] == one_forward
+    assert reports["both"]["flops"] > reports["on_policy"]["flops"] > reports["none"]["flops"]
+
+
+QWEN05 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+    "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "tie_word_embeddings": True, "vocab_size": 151936,
+}
+
+
+def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN05))
+    reports = {}
+    for fsdp in (1, 8):
+        start = time.perf_counter()
+        code, out, err = run_cli(
+            capsys, "inspect-step", "--config", TINY, f"model.path={tmp_path}",
+            f"mesh.fsdp={fsdp}", "mesh.data=-1", "grpo.num_prompts_per_step=2",
+            "rollout.max_new_tokens=32", "--json",
+        )
+        assert code == 0, err
+        reports[fsdp] = json.loads(out.strip().splitlines()[-1])
+        assert time.perf_counter() - start < 120
+    assert reports[1]["num_params"] == 494_032_768  # Qwen2.5-0.5B
+    assert reports[1]["param_bytes_per_device"] == 4 * 494_032_768
+    ratio = reports[1]["param_bytes_per_device"] / reports[8]["param_bytes_per_device"]
+    assert 7.9 < ratio <= 8.0  # norms stay replicated
+    opt_ratio = reports[1]["opt_state_bytes_per_device"] / reports[8]["opt_state_bytes_per_device"]
+    assert 7.9 < opt_ratio <= 8.0
+    assert reports[8]["temp_bytes_per_device"] > 0
