@@ -1,0 +1,370 @@
+"""The Ray rollout backend: `rollout.num_workers` RolloutWorker actors generate and score batches.
+
+The only module of jgrpo that imports ray. `RayRollout` keeps the backend protocol of
+`LocalRollout` (publish / request / collect / evaluate / close); the trainer still only sees
+numpy `RolloutResult`s.
+
+Weight sync. `publish(params, version)` gathers the trainer's (possibly sharded) params to host
+numpy once (`jax.device_get`) and `ray.put`s ONE object holding them; the driver keeps only the
+newest (version, ref). Every batch sent to a worker carries that pair (the ref boxed in a list so
+Ray does not resolve it eagerly); a worker whose cached version differs pulls the object (a
+zero-copy read from the node's object store, then `jax.device_put`) before it generates, so a
+version is fetched by a worker at most once and only if it generates with it. Older versions are
+freed by Ray's reference counting once no queued batch names them. Metrics: publish returns
+`rollout/weight_sync_s` (gather + put, the trainer-side cost per step), the result of each
+batch carries the worker-side `rollout/weight_pull_s` and `rollout/generate_s`.
+
+Scheduling. The driver runs no background thread: each protocol call first reaps finished
+batches (non-blocking) and hands queued batches to idle workers, one batch per worker at a time,
+so a batch always starts with the newest weights published when it starts. Step s goes to worker
+s % num_workers if that one is idle (round-robin), else to the next idle one. A batch is a whole
+step (never split), with the key `step_key(seed, s)` and the newest version, exactly what
+`LocalRollout` uses; so in sync mode the ray result equals the local one row for row.
+- Sync (rollout.max_staleness = 0): step s may start only once version >= s is published (the
+  trainer publishes version s, then requests step s); one step is in flight at a time, on one
+  worker.
+- Async (max_staleness = k >= 1): the trainer requests up to k steps ahead; a queued step s
+  starts as soon as a worker is idle and the newest version v has s - v <= k; otherwise it waits
+  for a newer publish. Generation of later steps thus overlaps training. `collect` checks every
+  row's `weight_version` against the bound again and regenerates a batch that breaks it (it
+  cannot, by the dispatch rule; the check is the contract). Results carry
+  `rollout/staleness_max` / `rollout/staleness_mean` (step - weight_version over rows).
+
+Faults. A batch whose worker died (SIGKILL, OOM, node loss) or raised is counted as one
+failure; the worker is killed and replaced by a fresh actor (it pulls the newest weights with
+its next batch) and the batch goes back to the front of the queue with the same step and key,
+so no step is lost and each step's result is returned exactly once. Failure number
+`max_worker_failures + 1` raises `RolloutFailure` naming the last error; the trainer checkpoints
+and stops.
+
+Resources. Each worker asks Ray for a CPU share (the cluster's CPUs split over the workers and
+the trainer; fractional when there are fewer CPUs than workers) and, on GPU clusters, a GPU
+share; constructor arguments override both. XLA in a worker gets as many intra-op threads as its
+CPU share, and JAX_PLATFORMS=cpu when it has no GPU. A local cluster is started quietly (no
+dashboard, no usage stats, no token banner, worker logs not forwarded: errors come back in the
+exceptions) unless Ray is already initialised or `rollout.ray_address` names a cluster to join.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import ray
+
+from jgrpo.config import Config
+from jgrpo.rollout.engine import RolloutFailure, RolloutResult, step_key
+from jgrpo.rollout.local import VALIDATION_SALT
+
+
+def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> bool:
+    """Start a quiet local Ray (address None) or join `address`; False if already initialised."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray >= 2.5x warns on every new local cluster that token auth is on by default: keep the
+    # (secure) default, drop the banner.
+    logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
+    ray.init(
+        address=address or "local",
+        num_cpus=num_cpus if address is None else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        configure_logging=True,
+    )
+    return True
+
+
+def worker_resources(
+    num_workers: int, cpus: Optional[float] = None, gpus: Optional[float] = None
+) -> tuple[float, float, dict[str, str]]:
+    """(num_cpus, num_gpus, env_vars) of one worker, derived from the cluster unless given."""
+    total = ray.cluster_resources()
+    if gpus is None:
+        total_gpus = total.get("GPU", 0.0)
+        gpus = min(1.0, total_gpus / num_workers) if total_gpus else 0.0
+        if gpus >= 1:
+            gpus = float(int(total_gpus // num_workers))
+    if cpus is None:
+        total_cpus = total.get("CPU", 1.0)
+        if total_cpus < num_workers:
+            cpus = total_cpus / num_workers  # fractional: every worker still gets scheduled
+        else:
+            cpus = float(max(1, int(total_cpus // (num_workers + 1))))  # + 1: the trainer
+    threads = max(1, int(cpus))
+    flags = "--xla_cpu_multi_thread_eigen=false" if threads == 1 else ""
+    env = {
+        "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}".strip(),
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    if gpus == 0:
+        env["JAX_PLATFORMS"] = "cpu"
+    elif gpus < 1:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # GPU shared between workers
+    return cpus, gpus, env
+
+
+class RolloutWorker:
+    """A Ray actor: an engine (tokenizer, task, sampler) and a cached copy of one weight version."""
+
+    def __init__(self, cfg: Config, model_folder: str):
+        from jgrpo.rollout.engine import build_engine
+
+        self.engine, self.graphdef = build_engine(cfg, model_folder)
+        self.version: Optional[int] = None
+        self.params = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rollout(
+        self,
+        version: int,
+        params_box: list,
+        examples: list,
+        seed: int,
+        step: int,
+        salt: int,
+        num_generations: int,
+        greedy: bool,
+    ) -> RolloutResult:
+        pull_s = 0.0
+        if version != self.version:
+            start = time.perf_counter()
+            self.params = None  # free the old copy before the new one lands
+            self.params = jax.block_until_ready(jax.device_put(ray.get(params_box[0])))
+            self.version = version
+            pull_s = time.perf_counter() - start
+        start = time.perf_counter()
+        key = step_key(seed, step, salt)
+        result = self.engine.rollout(
+            self.graphdef, self.params, examples, key, version, num_generations, greedy=greedy
+        )
+        result.stats["rollout/weight_pull_s"] = pull_s
+        result.stats["rollout/generate_s"] = time.perf_counter() - start
+        return result
+
+
+@dataclasses.dataclass
+class _Job:
+    """One batch to generate: a training step (bounded staleness) or a validation pass."""
+
+    name: tuple  # ("train", step) | ("eval", n)
+    step: int
+    examples: list
+    salt: int
+    num_generations: int
+    greedy: bool
+    max_staleness: Optional[int]  # None: no bound (validation uses the newest weights)
+
+
+class RayRollout:
+    """Backend protocol over RolloutWorker actors (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        model_folder,
+        *,
+        num_cpus_per_worker: Optional[float] = None,
+        num_gpus_per_worker: Optional[float] = None,
+    ):
+        ro = cfg.rollout
+        self.cfg = cfg
+        self.model_folder = str(model_folder)
+        self.seed = cfg.grpo.seed
+        self.num_generations = cfg.grpo.num_generations_per_prompt
+        self.max_staleness = ro.max_staleness
+        self.max_failures = ro.max_worker_failures
+        self.failures = 0
+        self.owns_ray = init_ray(ro.ray_address)
+        cpus, gpus, env = worker_resources(ro.num_workers, num_cpus_per_worker, num_gpus_per_worker)
+        self._actor_cls = ray.remote(RolloutWorker).options(
+            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env}, max_restarts=0
+        )
+        self._workers: list[Any] = [None] * ro.num_workers
+        self._pids: list[Any] = [None] * ro.num_workers
+        for i in range(ro.num_workers):
+            self._start_worker(i)
+        self._latest: Optional[tuple[int, ray.ObjectRef]] = None
+        self._queue: list[_Job] = []
+        self._running: dict[ray.ObjectRef, tuple[int, _Job, int]] = {}
+        self._results: dict[tuple, RolloutResult] = {}
+        self._requested: set[tuple] = set()
+        self._num_evals = 0
+        self._regenerated = 0
+
+    # ------------------------------------------------------------------------- protocol
+
+    def publish(self, params, version: int) -> dict[str, float]:
+        """Host-gather `params` once and put one object for the workers to pull."""
+        if self._latest is not None and version <= self._latest[0]:
+            raise ValueError(f"publish: version {version} after version {self._latest[0]}")
+        start = time.perf_counter()
+        host = jax.device_get(params)
+        gathered = time.perf_counter()
+        self._latest = (version, ray.put(host))
+        done = time.perf_counter()
+        self._pump()
+        nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(host))
+        return {
+            "rollout/weight_sync_s": done - start,
+            "rollout/weight_gather_s": gathered - start,
+            "rollout/weight_put_s": done - gathered,
+            "rollout/weight_mb": nbytes / 2**20,
+            "rollout/worker_failures": float(self.failures),
+        }
+
+    def request(self, step: int, examples: list) -> None:
+        """Queue step's batch; it starts now if a worker is idle and the weights are fresh."""
+        name = ("train", step)
+        if name in self._requested:
+            raise ValueError(f"request: step {step} was already requested")
+        self._requested.add(name)
+        self._queue.append(
+            _Job(name, step, list(examples), 0, self.num_generations, False, self.max_staleness)
+        )
+        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step))
+        self._pump()
+
+    def collect(self, step: int) -> RolloutResult:
+        """Block until step's batch is scored; returns it once (a second collect raises)."""
+        name = ("train", step)
+        if name not in self._requested:
+            raise KeyError(f"collect: step {step} was not requested (or was already collected)")
+        result = self._wait_for(name)
+        self._requested.discard(name)
+        return result
+
+    def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
+        """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
+        name = ("eval", self._num_evals)
+        self._num_evals += 1
+        job = _Job(name, step, list(examples), VALIDATION_SALT, pass_k, pass_k == 1, None)
+        self._queue.insert(0, job)
+        return self._wait_for(name)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            if worker is not None:
+                ray.kill(worker, no_restart=True)
+        self._workers = [None] * len(self._workers)
+        self._running.clear()
+        self._queue.clear()
+        self._latest = None
+        if self.owns_ray:
+            ray.shutdown()
+            self.owns_ray = False
+
+    # ------------------------------------------------------------------------- test hooks
+
+    def worker_pids(self) -> list[int]:
+        """OS pids of the current workers (waits until each has started)."""
+        return ray.get(list(self._pids))
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def _start_worker(self, i: int) -> None:
+        worker = self._actor_cls.remote(self.cfg, self.model_folder)
+        self._workers[i] = worker
+        self._pids[i] = worker.pid.remote()  # runs right after __init__, before any batch
+
+    def _restart_worker(self, i: int) -> None:
+        ray.kill(self._workers[i], no_restart=True)  # it may still be alive after an exception
+        self._start_worker(i)
+
+    def _wait_for(self, name: tuple) -> RolloutResult:
+        while name not in self._results:
+            self._dispatch()
+            if not self._running:
+                version = None if self._latest is None else self._latest[0]
+                raise RuntimeError(
+                    f"rollout: {name[0]} step {name[1]} cannot start: no weights fresh enough "
+                    f"(newest published version: {version}, "
+                    f"rollout.max_staleness: {self.max_staleness}); publish before collect"
+                )
+            self._reap(block=True)
+        self._dispatch()  # keep workers busy with queued steps while the trainer trains
+        return self._results.pop(name)
+
+    def _pump(self) -> None:
+        self._reap(block=False)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self._latest is None:
+            return
+        version, ref = self._latest
+        busy = {w for w, _, _ in self._running.values()}
+        for job in list(self._queue):
+            if job.max_staleness is not None and job.step - version > job.max_staleness:
+                continue  # too far ahead of the newest weights: wait for a newer publish
+            n = len(self._workers)
+            idle = [(job.step + j) % n for j in range(n) if (job.step + j) % n not in busy]
+            if not idle:
+                return
+            w = idle[0]
+            out = self._workers[w].rollout.remote(
+                version,
+                [ref],
+                job.examples,
+                self.seed,
+                job.step,
+                job.salt,
+                job.num_generations,
+                job.greedy,
+            )
+            self._running[out] = (w, job, version)
+            self._queue.remove(job)
+            busy.add(w)
+
+    def _reap(self, block: bool) -> None:
+        if not self._running:
+            return
+        refs = list(self._running)
+        if block:
+            ready, _ = ray.wait(refs, num_returns=1)
+        else:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for out in ready:
+            w, job, version = self._running.pop(out)
+            try:
+                result = ray.get(out)
+            except ray.exceptions.RayError as error:
+                self._fail(w, job, error)
+                continue
+            staleness = job.step - result.batch["weight_version"].astype(np.int64)
+            if job.max_staleness is not None and staleness.max() > job.max_staleness:
+                # unreachable by the dispatch rule; the bound is the contract
+                self._regenerated += 1
+                self._queue.insert(0, job)
+                continue
+            result.stats["rollout/staleness_max"] = float(staleness.max())
+            result.stats["rollout/staleness_mean"] = float(staleness.mean())
+            result.stats["rollout/worker_failures"] = float(self.failures)
+            result.stats["rollout/regenerated"] = float(self._regenerated)
+            self._results[job.name] = result
+
+    def _fail(self, w: int, job: _Job, error: Exception) -> None:
+        self.failures += 1
+        if self.failures > self.max_failures:
+            raise RolloutFailure(
+                f"rollout worker failure {self.failures} exceeds rollout.max_worker_failures="
+                f"{self.max_failures} ({job.name[0]} step {job.step} on worker {w}): "
+                f"{type(error).__name__}: {_last_line(error)}"
+            ) from error
+        self._restart_worker(w)
+        self._queue.insert(0, job)  # re-issued first, same step and key: nothing lost or doubled
+
+
+def _last_line(error: Exception) -> str:
+    """The line of a (remote) traceback that names the error."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else repr(error)
