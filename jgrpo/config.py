@@ -41,7 +41,7 @@ class ModelConfig:
     """The policy model (and its reference copy)."""
 
     path: str = "builtin:tiny-qwen2"
-    """HF folder; or `smollm2` (converted SmolLM2-135M-Instruct); or `builtin:tiny-qwen2` (random tiny)."""
+    """HF folder, `smollm2` (converted SmolLM2-135M-Instruct) or `builtin:tiny-qwen2`."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype of policy and reference."""
 
@@ -99,7 +99,7 @@ class AdvantageConfig:
     """How rewards become advantages (REFERENCE.md, Advantages)."""
 
     estimator: Literal["grpo", "dr_grpo", "reinforce_plus_plus"] = "grpo"
-    """grpo: group baseline (+ std scaling); dr_grpo: no std; reinforce_plus_plus: global whitening."""
+    """grpo: group baseline (+ std); dr_grpo: no std; reinforce_plus_plus: global whitening."""
     normalize_rewards: bool = True
     """grpo: divide by the group's Bessel std + 1e-6."""
     use_leave_one_out_baseline: bool = False
@@ -174,9 +174,9 @@ class LossConfig:
     kl_output_clamp_value: Optional[float] = 10.0
     """Clamp of the per-token KL value (None = off)."""
     use_on_policy_kl_approximation: bool = False
-    """Weight the KL by the importance ratio exp(lp - lo) instead of the score-function weight 1."""
+    """Weight the KL by the importance ratio exp(lp - lg) instead of the weight 1."""
     use_kl_in_reward: bool = False
-    """reinforce_plus_plus: subtract beta * KL from the per-token reward; beta in the loss becomes 0."""
+    """reinforce_plus_plus: subtract beta * KL from the token rewards; loss beta becomes 0."""
     use_importance_sampling_correction: bool = False
     """Weight tokens by exp(lo - lg) against the sampler's logprobs (required in async mode)."""
     truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
@@ -443,7 +443,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override `{item}`: `{'.'.join(parts[: i + 1])}` is not a section")
+                raise ConfigError(
+                    f"override `{item}`: `{'.'.join(parts[: i + 1])}` is not a section"
+                )
             node = child
         node[parts[-1]] = value
     return data
@@ -526,71 +528,105 @@ def validate(cfg: Config) -> Config:
         f"grpo.num_microbatches: {g.num_microbatches} must divide the minibatch of "
         f"{g.batch_size // g.num_minibatches} rows",
     )
-    _require(g.num_generations_per_prompt >= 2 or adv.estimator == "reinforce_plus_plus",
-             "grpo.num_generations_per_prompt: group baselines need at least 2 generations")
+    _require(
+        g.num_generations_per_prompt >= 2 or adv.estimator == "reinforce_plus_plus",
+        "grpo.num_generations_per_prompt: group baselines need at least 2 generations",
+    )
     _require(
         g.val_pass_k == 1 or ro.temperature > 0,
         "grpo.val_pass_k: pass@k with k > 1 needs rollout.temperature > 0",
     )
     if g.seq_logprob_error_threshold is not None:
-        _require(g.seq_logprob_error_threshold >= 1.0,
-                 "grpo.seq_logprob_error_threshold: must be >= 1.0 (e_b >= 1 always) or null")
+        _require(
+            g.seq_logprob_error_threshold >= 1.0,
+            "grpo.seq_logprob_error_threshold: must be >= 1.0 (e_b >= 1 always) or null",
+        )
 
     # loss ranges
     _require(0 <= loss.ratio_clip_min < 1, "loss.ratio_clip_min: must lie in [0, 1)")
     _require(loss.ratio_clip_max >= 0, "loss.ratio_clip_max: must be >= 0")
-    _require(loss.ratio_clip_c is None or loss.ratio_clip_c > 1,
-             "loss.ratio_clip_c: the dual-clip constant must be > 1 (or null)")
-    _require(loss.reference_policy_kl_penalty >= 0, "loss.reference_policy_kl_penalty: must be >= 0")
+    _require(
+        loss.ratio_clip_c is None or loss.ratio_clip_c > 1,
+        "loss.ratio_clip_c: the dual-clip constant must be > 1 (or null)",
+    )
+    _require(
+        loss.reference_policy_kl_penalty >= 0, "loss.reference_policy_kl_penalty: must be >= 0"
+    )
     for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
         value = getattr(loss, key)
         _require(value is None or value > 0, f"loss.{key}: must be > 0 (or null)")
-    _require(not (loss.disable_ppo_ratio and loss.force_on_policy_ratio),
-             "loss.disable_ppo_ratio and loss.force_on_policy_ratio: choose at most one")
-    _require(not (loss.sequence_level_importance_ratios and loss.aggregation == "token_mean"),
-             "loss.sequence_level_importance_ratios (GSPO): needs loss.aggregation seq_mean or "
-             "seq_sum_norm, not token_mean")
-    _require(not (loss.sequence_level_importance_ratios and loss.force_on_policy_ratio),
-             "loss.sequence_level_importance_ratios: incompatible with loss.force_on_policy_ratio")
+    _require(
+        not (loss.disable_ppo_ratio and loss.force_on_policy_ratio),
+        "loss.disable_ppo_ratio and loss.force_on_policy_ratio: choose at most one",
+    )
+    _require(
+        not (loss.sequence_level_importance_ratios and loss.aggregation == "token_mean"),
+        "loss.sequence_level_importance_ratios (GSPO): needs loss.aggregation seq_mean or "
+        "seq_sum_norm, not token_mean",
+    )
+    _require(
+        not (loss.sequence_level_importance_ratios and loss.force_on_policy_ratio),
+        "loss.sequence_level_importance_ratios: incompatible with loss.force_on_policy_ratio",
+    )
     if loss.truncated_importance_sampling_type is not None:
-        _require(loss.use_importance_sampling_correction,
-                 "loss.truncated_importance_sampling_type: needs "
-                 "loss.use_importance_sampling_correction=true")
-        _require(loss.truncated_importance_sampling_ratio is not None,
-                 "loss.truncated_importance_sampling_ratio: required when "
-                 "loss.truncated_importance_sampling_type is set")
+        _require(
+            loss.use_importance_sampling_correction,
+            "loss.truncated_importance_sampling_type: needs "
+            "loss.use_importance_sampling_correction=true",
+        )
+        _require(
+            loss.truncated_importance_sampling_ratio is not None,
+            "loss.truncated_importance_sampling_ratio: required when "
+            "loss.truncated_importance_sampling_type is set",
+        )
     hi, lo = loss.truncated_importance_sampling_ratio, loss.truncated_importance_sampling_ratio_min
     _require(hi is None or hi > 0, "loss.truncated_importance_sampling_ratio: must be > 0")
     _require(lo is None or lo >= 0, "loss.truncated_importance_sampling_ratio_min: must be >= 0")
-    _require(hi is None or lo is None or lo <= hi,
-             f"loss.truncated_importance_sampling_ratio_min ({lo}) must be <= "
-             f"loss.truncated_importance_sampling_ratio ({hi})")
+    _require(
+        hi is None or lo is None or lo <= hi,
+        f"loss.truncated_importance_sampling_ratio_min ({lo}) must be <= "
+        f"loss.truncated_importance_sampling_ratio ({hi})",
+    )
 
     # advantages
     clo, chi = adv.advantage_clip_low, adv.advantage_clip_high
-    _require(clo is None or chi is None or clo < chi,
-             f"grpo.advantage.advantage_clip_low ({clo}) must be < advantage_clip_high ({chi})")
+    _require(
+        clo is None or chi is None or clo < chi,
+        f"grpo.advantage.advantage_clip_low ({clo}) must be < advantage_clip_high ({chi})",
+    )
     if loss.use_kl_in_reward:
-        _require(adv.estimator == "reinforce_plus_plus",
-                 f"loss.use_kl_in_reward: only grpo.advantage.estimator=reinforce_plus_plus uses "
-                 f"it; {adv.estimator!r} would silently drop the KL")
-        _require(loss.reference_policy_kl_penalty > 0,
-                 "loss.use_kl_in_reward: needs loss.reference_policy_kl_penalty > 0")
-        _require(not cfg.skip_prev,
-                 "loss.use_kl_in_reward: incompatible with loss.force_on_policy_ratio (the prev "
-                 "forward is skipped, the KL would use a placeholder)")
+        _require(
+            adv.estimator == "reinforce_plus_plus",
+            f"loss.use_kl_in_reward: only grpo.advantage.estimator=reinforce_plus_plus uses "
+            f"it; {adv.estimator!r} would silently drop the KL",
+        )
+        _require(
+            loss.reference_policy_kl_penalty > 0,
+            "loss.use_kl_in_reward: needs loss.reference_policy_kl_penalty > 0",
+        )
+        _require(
+            not cfg.skip_prev,
+            "loss.use_kl_in_reward: incompatible with loss.force_on_policy_ratio (the prev "
+            "forward is skipped, the KL would use a placeholder)",
+        )
 
     # the skip flags
     if g.skip_reference_policy_logprobs_calculation:
-        _require(loss.reference_policy_kl_penalty == 0,
-                 "grpo.skip_reference_policy_logprobs_calculation: requires "
-                 "loss.reference_policy_kl_penalty == 0")
+        _require(
+            loss.reference_policy_kl_penalty == 0,
+            "grpo.skip_reference_policy_logprobs_calculation: requires "
+            "loss.reference_policy_kl_penalty == 0",
+        )
     if loss.force_on_policy_ratio:
-        _require(g.num_minibatches == 1,
-                 "loss.force_on_policy_ratio: requires exactly one optimizer step per rollout "
-                 f"batch (grpo.num_minibatches=1, got {g.num_minibatches})")
-        _require(ro.max_staleness == 0,
-                 "loss.force_on_policy_ratio: incompatible with rollout.max_staleness > 0")
+        _require(
+            g.num_minibatches == 1,
+            "loss.force_on_policy_ratio: requires exactly one optimizer step per rollout "
+            f"batch (grpo.num_minibatches=1, got {g.num_minibatches})",
+        )
+        _require(
+            ro.max_staleness == 0,
+            "loss.force_on_policy_ratio: incompatible with rollout.max_staleness > 0",
+        )
         if g.seq_logprob_error_threshold is not None:
             warnings.warn(
                 "loss.force_on_policy_ratio with grpo.seq_logprob_error_threshold: the threshold "
@@ -603,28 +639,38 @@ def validate(cfg: Config) -> Config:
     _require(0 < ro.top_p <= 1, "rollout.top_p: must lie in (0, 1]")
     _require(ro.top_k is None or ro.top_k >= 1, "rollout.top_k: must be >= 1 (or null)")
     if ro.max_staleness > 0:
-        _require(loss.use_importance_sampling_correction,
-                 "rollout.max_staleness > 0 (async): requires "
-                 "loss.use_importance_sampling_correction=true")
-    _require(ro.backend == "ray" or ro.max_staleness == 0,
-             "rollout.max_staleness > 0: async generation needs rollout.backend=ray")
-    _require(ro.backend == "ray" or ro.num_workers == 1,
-             "rollout.num_workers: > 1 needs rollout.backend=ray")
+        _require(
+            loss.use_importance_sampling_correction,
+            "rollout.max_staleness > 0 (async): requires "
+            "loss.use_importance_sampling_correction=true",
+        )
+    _require(
+        ro.backend == "ray" or ro.max_staleness == 0,
+        "rollout.max_staleness > 0: async generation needs rollout.backend=ray",
+    )
+    _require(
+        ro.backend == "ray" or ro.num_workers == 1,
+        "rollout.num_workers: > 1 needs rollout.backend=ray",
+    )
 
     # optimizer
     _require(opt.learning_rate > 0, "optim.learning_rate: must be > 0")
     _require(0 <= opt.b1 < 1 and 0 <= opt.b2 < 1, "optim.b1 / optim.b2: must lie in [0, 1)")
     _require(opt.eps > 0, "optim.eps: must be > 0")
     _require(opt.weight_decay >= 0, "optim.weight_decay: must be >= 0")
-    _require(opt.max_grad_norm is None or opt.max_grad_norm > 0,
-             "optim.max_grad_norm: must be > 0 (or null)")
+    _require(
+        opt.max_grad_norm is None or opt.max_grad_norm > 0,
+        "optim.max_grad_norm: must be > 0 (or null)",
+    )
 
     # mesh
     for key in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, key)
         _require(value == -1 or value >= 1, f"mesh.{key}: must be >= 1 or -1, got {value}")
-    _require([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
-             "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1")
+    _require(
+        [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
+        "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
+    )
     return cfg
 
 
@@ -661,6 +707,6 @@ def format_config(cfg: Any, indent: int = 0) -> str:
             lines.append(format_config(value, indent + 1))
         else:
             text = yaml.safe_dump(to_dict(value), default_flow_style=True).strip()
-            text = text.removesuffix("\n...").removesuffix("...").strip()
+            text = text.removesuffix("...").strip()
             lines.append(f"{pad}{f.name}: {text}  # {doc}")
     return "\n".join(lines)

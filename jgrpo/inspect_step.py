@@ -90,7 +90,9 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
     }
     if compile:
         flags = step.StepFlags.from_config(cfg)
-        state = step.TrainState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+        state = step.TrainState(
+            params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+        )
         shardings = step.TrainState(p_shard, o_shard, rep)
         fn = step.make_train_step(flags, graphdef, tx, shardings)
         ref = params if flags.compute_ref_logprobs else None

@@ -51,9 +51,7 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices
-    )
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def make_rules(mesh_cfg: MeshConfig) -> dict[str, str | None]:

@@ -133,6 +133,7 @@ def schedule_factor(flags: StepFlags, step):
 
 def chunk_rows(tree, num_chunks: int):
     """[B, ...] -> [K, B/K, ...] with row i in chunk i mod K (keeps batch sharding intact)."""
+
     def split(x):
         return jnp.swapaxes(x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]), 0, 1)
 
@@ -209,14 +210,10 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
             "ref", graphdef, ref_params, batch, temp, chunks
         )
     if flags.compute_prev_logprobs:
-        data["prev_logprobs"] = frozen_logprobs(
-            "prev", graphdef, state.params, batch, temp, chunks
-        )
+        data["prev_logprobs"] = frozen_logprobs("prev", graphdef, state.params, batch, temp, chunks)
     if flags.use_logprob_error_threshold:
         mask_bt = batch["token_mask"] * batch["sample_mask"][:, None]
-        e_b = losses.seq_logprob_error(
-            data["prev_logprobs"], batch["generation_logprobs"], mask_bt
-        )
+        e_b = losses.seq_logprob_error(data["prev_logprobs"], batch["generation_logprobs"], mask_bt)
         keep_b = e_b <= hparams["seq_logprob_error_threshold"]
         dropped_b = (batch["sample_mask"] > 0) & ~keep_b
         metrics["logprob/num_masked_seqs_by_logprob_error"] = jnp.sum(dropped_b).astype(jnp.float32)
@@ -228,8 +225,12 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
         x_bt = data["reference_logprobs"] - data["prev_logprobs"]
         kl_bt = beta * losses.kl_estimator(x_bt, flags.loss.reference_policy_kl_type)
     data["advantages"] = losses.compute_token_advantages(
-        batch["rewards"], batch["group_ids"], batch["token_mask"], adv_cfg,
-        kl_bt=kl_bt, sample_mask_b=data["sample_mask"],
+        batch["rewards"],
+        batch["group_ids"],
+        batch["token_mask"],
+        adv_cfg,
+        kl_bt=kl_bt,
+        sample_mask_b=data["sample_mask"],
     )
     metrics.update(batch_statistics(batch | data, data["advantages"], batch["group_ids"]))
     return data, metrics
@@ -269,7 +270,8 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
     lr = hparams["learning_rate"] * schedule_factor(flags, state.step)
     params = jax.tree.map(
         lambda p, u: p - (lr * (u + hparams["weight_decay"] * p)).astype(p.dtype),
-        state.params, updates,
+        state.params,
+        updates,
     )
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss/total"])
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
@@ -286,9 +288,7 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
 
 def train_step(state, batch, hparams, ref_params, *, flags, graphdef, tx):
     """One GRPO step on a rollout batch -> (new state, metrics)."""
-    data, metrics = prepare_batch(
-        state, batch, hparams, ref_params, flags=flags, graphdef=graphdef
-    )
+    data, metrics = prepare_batch(state, batch, hparams, ref_params, flags=flags, graphdef=graphdef)
     update = lambda s, mb: optimizer_update(s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx)
     state, metrics_m = jax.lax.scan(update, state, chunk_rows(data, flags.num_minibatches))
     return state, metrics | reduce_minibatch_metrics(metrics_m)

@@ -155,8 +155,9 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
     t = setup(cfg, run_dir, resume)
     g, k = cfg.grpo, cfg.rollout.max_staleness
     resume_step = t.start_step if resume else None
-    logger = MetricsLogger(run_dir, cfg.logging, g.max_num_steps, resume_step=resume_step,
-                           run_config=to_dict(cfg))
+    logger = MetricsLogger(
+        run_dir, cfg.logging, g.max_num_steps, resume_step=resume_step, run_config=to_dict(cfg)
+    )
     data_states: dict[int, dict] = {}
     history: list[dict] = []
     try:
@@ -239,5 +240,3 @@ def summarize(history: list[dict]) -> str:
 
 def write_summary(run_dir: Path, history: list[dict]) -> None:
     (Path(run_dir) / "summary.json").write_text(json.dumps(history, indent=2))
-
-

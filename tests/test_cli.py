@@ -1,4 +1,4 @@
-"""The `jgrpo` command line: bad inputs exit 2 with one line naming the key; tiny runs end to end."""
+"""The `jgrpo` CLI: bad inputs exit 2 with one line naming the key; tiny runs end to end."""
 
 import json
 import math
@@ -48,16 +48,32 @@ BAD_INPUTS = [
     (["loss.aggregation=mean"], "loss.aggregation"),
     (["loss.use_kl_in_reward=true", "loss.reference_policy_kl_penalty=0.1"], "use_kl_in_reward"),
     (["loss.force_on_policy_ratio=true", "grpo.num_minibatches=2"], "force_on_policy_ratio"),
-    (["grpo.skip_reference_policy_logprobs_calculation=true",
-      "loss.reference_policy_kl_penalty=0.1"], "skip_reference_policy_logprobs_calculation"),
-    (["loss.use_importance_sampling_correction=true",
-      "loss.truncated_importance_sampling_type=tis",
-      "loss.truncated_importance_sampling_ratio=1.5",
-      "loss.truncated_importance_sampling_ratio_min=2.0"], "truncated_importance_sampling_ratio_min"),
+    (
+        [
+            "grpo.skip_reference_policy_logprobs_calculation=true",
+            "loss.reference_policy_kl_penalty=0.1",
+        ],
+        "skip_reference_policy_logprobs_calculation",
+    ),
+    (
+        [
+            "loss.use_importance_sampling_correction=true",
+            "loss.truncated_importance_sampling_type=tis",
+            "loss.truncated_importance_sampling_ratio=1.5",
+            "loss.truncated_importance_sampling_ratio_min=2.0",
+        ],
+        "truncated_importance_sampling_ratio_min",
+    ),
     (["loss.sequence_level_importance_ratios=true"], "sequence_level_importance_ratios"),
-    (["grpo.advantage.estimator=reinforce_plus_plus", "loss.use_kl_in_reward=true",
-      "loss.reference_policy_kl_penalty=0.1", "loss.force_on_policy_ratio=true"],
-     "use_kl_in_reward"),
+    (
+        [
+            "grpo.advantage.estimator=reinforce_plus_plus",
+            "loss.use_kl_in_reward=true",
+            "loss.reference_policy_kl_penalty=0.1",
+            "loss.force_on_policy_ratio=true",
+        ],
+        "use_kl_in_reward",
+    ),
     (["rollout.backend=ray", "rollout.max_staleness=1"], "use_importance_sampling_correction"),
     (["grpo.num_minibatches=3"], "grpo.num_minibatches"),
     (["grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=2"], "mesh.data"),
@@ -89,7 +105,9 @@ def test_bad_input_exits_2_with_one_line(capsys, bad_files, argv, needle):
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
@@ -170,8 +188,19 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir", str(killed),
-         *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "jgrpo.cli",
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(killed),
+            *common,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -207,8 +236,16 @@ def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkey
     run_dir = tmp_path / "run"
     start = time.perf_counter()
     code, _, err = run_cli(
-        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), funcs,
-        "data.reward_timeout_s=0.5", "grpo.max_num_steps=2", "grpo.val_at_start=false",
+        capsys,
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run_dir),
+        funcs,
+        "data.reward_timeout_s=0.5",
+        "grpo.max_num_steps=2",
+        "grpo.val_at_start=false",
         "grpo.val_at_end=false",
     )
     assert code == 0, err
@@ -241,10 +278,18 @@ def test_inspect_step_reports_forwards(capsys):
 
 
 QWEN05 = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-    "num_key_value_heads": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0, "tie_word_embeddings": True, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
 }
 
 
@@ -254,9 +299,16 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     for fsdp in (1, 8):
         start = time.perf_counter()
         code, out, err = run_cli(
-            capsys, "inspect-step", "--config", TINY, f"model.path={tmp_path}",
-            f"mesh.fsdp={fsdp}", "mesh.data=-1", "grpo.num_prompts_per_step=2",
-            "rollout.max_new_tokens=32", "--json",
+            capsys,
+            "inspect-step",
+            "--config",
+            TINY,
+            f"model.path={tmp_path}",
+            f"mesh.fsdp={fsdp}",
+            "mesh.data=-1",
+            "grpo.num_prompts_per_step=2",
+            "rollout.max_new_tokens=32",
+            "--json",
         )
         assert code == 0, err
         reports[fsdp] = json.loads(out.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""The model against transformers' PyTorch forward (float32, 1e-4 max abs), and HF folders in/out."""
+"""The model vs transformers' PyTorch forward (float32, 1e-4 max abs); HF folders in/out."""
 
 import json
 
@@ -142,12 +142,16 @@ def test_save_pretrained_roundtrip(hf_pair, tmp_path):
     _, hf_model, folder = hf_pair
     model = from_pretrained(folder)
     out = save_pretrained(model, tmp_path / "out")
-    reloaded_hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    reloaded_hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager"
+    )
     ids = np.random.RandomState(4).randint(0, 128, (2, 9))
     np.testing.assert_allclose(hf_logits(reloaded_hf, ids), hf_logits(hf_model, ids), atol=TOL)
     again = from_pretrained(out)
-    for a, b in zip(jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(model))),
-                    jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(again)))):
+    for a, b in zip(
+        jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(model))),
+        jax.tree.leaves(jax.tree.map(np.asarray, nnx_params(again))),
+    ):
         np.testing.assert_array_equal(a, b)  # exact
 
 
@@ -198,7 +202,8 @@ def test_smollm2_logits_match_transformers():
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        tokenize=False, add_generation_prompt=True,
+        tokenize=False,
+        add_generation_prompt=True,
     )
     ids = np.asarray([tokenizer(text, add_special_tokens=False)["input_ids"]])
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -36,8 +36,9 @@ def build(overrides=(), mesh_shape=(1, 1, 1), seed=0):
     """(jitted step, state, ref_params, hparams, batch on mesh, mesh, graphdef, flags)."""
     cfg = load_config(None, BASE + list(overrides))
     n = int(np.prod(mesh_shape))
-    mesh_cfg = dataclasses.replace(cfg.mesh, data=mesh_shape[0], fsdp=mesh_shape[1],
-                                   tensor=mesh_shape[2])
+    mesh_cfg = dataclasses.replace(
+        cfg.mesh, data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2]
+    )
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
     model = Transformer(MODEL, rngs=nnx.Rngs(seed), init_scale=0.2)
     graphdef, model_state = nnx.split(model)
@@ -63,9 +64,11 @@ def compiled(overrides):
 
 def standalone_forward_cost():
     _, state, _, hp, batch, _, graphdef, flags = build()
-    exe = jax.jit(
-        lambda p, b: step.frozen_logprobs("x", graphdef, p, b, hp["temperature"], 1)
-    ).lower(state.params, batch).compile()
+    exe = (
+        jax.jit(lambda p, b: step.frozen_logprobs("x", graphdef, p, b, hp["temperature"], 1))
+        .lower(state.params, batch)
+        .compile()
+    )
     return exe.cost_analysis()["flops"], exe.as_text().count(" dot(")
 
 
@@ -140,7 +143,9 @@ def one_step_on(mesh_shape):
     grads, _ = jax.jit(
         lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
     )(state.params, data)
-    shard_shapes = {k: v.addressable_shards[0].data.shape for k, v in state.params["layers"].items()}
+    shard_shapes = {
+        k: v.addressable_shards[0].data.shape for k, v in state.params["layers"].items()
+    }
     new_state, metrics = fn(state, batch, hp, ref)
     return (
         float(metrics["loss/total"]),
@@ -190,8 +195,15 @@ def test_metric_keys_identical_across_flags():
         key_sets.append(set(metrics))
         assert all(np.isfinite(float(v)) for v in metrics.values()), overrides
     assert all(keys == key_sets[0] for keys in key_sets)
-    assert {"loss/total", "kl/penalty", "logprob/token_mult_prob_error", "reward/mean",
-            "train/grad_norm", "train/learning_rate", "ratio/clip_fraction"} <= key_sets[0]
+    assert {
+        "loss/total",
+        "kl/penalty",
+        "logprob/token_mult_prob_error",
+        "reward/mean",
+        "train/grad_norm",
+        "train/learning_rate",
+        "ratio/clip_fraction",
+    } <= key_sets[0]
 
 
 def test_steps_raise_logprob_of_positive_advantage_completions():

@@ -11,7 +11,13 @@ from jgrpo.models.hf import (
     from_pretrained,
     save_pretrained,
 )
-from jgrpo.models.transformer import KVCache, RopeScaling, Transformer, TransformerConfig, init_cache
+from jgrpo.models.transformer import (
+    KVCache,
+    RopeScaling,
+    Transformer,
+    TransformerConfig,
+    init_cache,
+)
 
 __all__ = [
     "KVCache",
