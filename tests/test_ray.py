@@ -5,13 +5,16 @@ failure budget. Ray starts once for the module (about 5-15 s); each backend star
 
 import os
 import signal
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from jgrpo import train
 from jgrpo.config import load_config
+from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
 from jgrpo.models.sources import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
@@ -184,3 +187,81 @@ def test_failure_budget_raises_rollout_failure(folder, versions):
             backend.collect(0)
     finally:
         backend.close()
+
+
+# ----------------------------------------------------------------------------- through run()
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+TINY_RUN = ["logging.tensorboard=false", "grpo.max_num_steps=3"]
+
+
+def is_timing(key):
+    return key.startswith("perf/") or key.endswith("_s")
+
+
+def run_tiny(run_dir, *overrides):
+    train.run(load_config(TINY, [*TINY_RUN, *overrides]), run_dir)
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    return run_tiny(tmp_path_factory.mktemp("local") / "run")
+
+
+def assert_same_metrics(got, want):
+    """Every non-timing metric of the local run, equal; each step logged once, in order."""
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if not is_timing(key):
+                assert g[key] == value, (w["step"], key, g[key], value)
+
+
+@pytest.mark.slow
+def test_run_sync_ray_matches_local_run(tmp_path, local_run):
+    rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=2")
+    assert_same_metrics(rows, local_run)
+    assert all(r["rollout/staleness_max"] == 0.0 for r in rows[1:])
+    assert all(r["rollout/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
+
+
+@pytest.mark.slow
+def test_run_async_trains_with_bounded_staleness(tmp_path):
+    rows = run_tiny(
+        tmp_path / "run",
+        "rollout.backend=ray",
+        "rollout.num_workers=2",
+        "rollout.max_staleness=1",
+        "loss.use_importance_sampling_correction=true",
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for r in rows[1:]:  # row `step` = s + 1 holds step s, staleness from its per-row versions
+        assert 0.0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1.0
+        assert np.isfinite(r["loss"])
+    assert rows[2]["rollout/staleness_max"] == 1.0  # step 1 started with version 0
+
+
+class KillWorkersOnCollect:
+    """Wraps a RayRollout: SIGKILLs every worker process just before `collect(step)`."""
+
+    def __init__(self, inner, step):
+        self.inner, self.step = inner, step
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def collect(self, step):
+        if step == self.step:  # step is generating on one worker, the other one is idle
+            for pid in self.inner.worker_pids():
+                os.kill(pid, signal.SIGKILL)
+        return self.inner.collect(step)
+
+
+@pytest.mark.slow
+def test_run_survives_sigkilled_workers(tmp_path, local_run, monkeypatch):
+    real = train.make_backend
+    monkeypatch.setattr(train, "make_backend", lambda *a: KillWorkersOnCollect(real(*a), 1))
+    rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=2")
+    assert_same_metrics(rows, local_run)  # every step trained exactly once, none lost
+    assert rows[-1]["rollout/worker_failures"] == 2.0
