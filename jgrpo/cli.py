@@ -125,7 +125,11 @@ def _train(cfg, args) -> int:
         import shutil
 
         shutil.rmtree(run_dir)
-    history = train.run(cfg, run_dir, resume=args.resume)
+    try:
+        history = train.run(cfg, run_dir, resume=args.resume)
+    except train.RunStopped as e:
+        print(f"jgrpo: stopped: {e}", file=sys.stderr)
+        return 1
     train.write_summary(run_dir, history)
     print(train.summarize(history))
     print(f"run folder: {run_dir}")

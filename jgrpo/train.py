@@ -30,7 +30,7 @@ from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.metrics import MetricsLogger, plot_run
 from jgrpo.models import from_pretrained
 from jgrpo.models.sources import check_model_path, resolve_model_path
-from jgrpo.rollout import RolloutEngine, load_tokenizer, make_backend
+from jgrpo.rollout import RolloutEngine, RolloutFailure, load_tokenizer, make_backend
 from jgrpo.tasks import make_task
 
 log = logging.getLogger("jgrpo")
@@ -160,6 +160,7 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
     )
     data_states: dict[int, dict] = {}
     history: list[dict] = []
+    done = t.start_step
     try:
         t.backend.publish(t.state.params, t.start_step)
         for s in range(t.start_step, min(t.start_step + 1 + k, g.max_num_steps)):
@@ -182,6 +183,13 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
             data_states.pop(s, None)
+    except RolloutFailure as e:
+        if done not in t.checkpointer.all_steps():
+            save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+        raise RunStopped(
+            f"rollout failed past rollout.max_worker_failures ({e}); checkpoint saved at step "
+            f"{done}: continue with --resume"
+        ) from e
     finally:
         logger.close()
         t.backend.close()

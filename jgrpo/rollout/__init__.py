@@ -14,6 +14,7 @@ of jgrpo that imports ray). The trainer only ever sees numpy batches.
 from jgrpo.rollout.engine import (
     STEP_KEYS,
     RolloutEngine,
+    RolloutFailure,
     RolloutResult,
     build_engine,
     concat_results,
@@ -26,6 +27,7 @@ __all__ = [
     "STEP_KEYS",
     "LocalRollout",
     "RolloutEngine",
+    "RolloutFailure",
     "RolloutResult",
     "build_engine",
     "concat_results",
