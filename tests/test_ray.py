@@ -1,6 +1,7 @@
 """The Ray rollout backend: sync parity with the local backend, the async staleness bound,
 worker restarts after SIGKILL / exceptions with each step returned exactly once, and the
-failure budget. Ray starts once for the module (about 5-15 s); each backend starts its workers.
+failure budget; at the backend level and through `train.run` (slow). Ray starts once for the
+module (about 5-15 s); each backend starts its own workers.
 """
 
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import ray
 from flax import nnx
 
 from jgrpo import train
@@ -19,10 +21,8 @@ from jgrpo.models import from_pretrained
 from jgrpo.models.sources import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
 from jgrpo.rollout.engine import RolloutFailure
+from jgrpo.rollout.ray_backend import RayRollout, init_ray
 from jgrpo.tasks import make_task
-
-ray = pytest.importorskip("ray")
-from jgrpo.rollout.ray_backend import RayRollout, init_ray  # noqa: E402
 
 P, G = 2, 4
 ROW_KEYS = ("input_ids", "attention_mask", "token_mask", "rewards", "group_ids", "sample_mask")
