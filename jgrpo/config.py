@@ -223,6 +223,10 @@ class RolloutConfig:
     """Ray cluster to join (None = start a quiet local one)."""
     max_worker_failures: int = 3
     """Ray: worker restarts allowed before the run stops (after a checkpoint)."""
+    num_cpus_per_worker: Optional[float] = None
+    """Ray: CPUs reserved per RolloutWorker (None = the cluster's CPUs shared out)."""
+    num_gpus_per_worker: Optional[float] = None
+    """Ray: GPUs per RolloutWorker, fractional allowed (None = the cluster's GPUs shared out)."""
     temperature: float = 1.0
     """Sampling temperature (0 = greedy); training logits are divided by it too."""
     top_p: float = 1.0
@@ -635,6 +639,9 @@ def validate(cfg: Config) -> Config:
             )
 
     # rollout
+    for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+        value = getattr(ro, key)
+        _require(value is None or value >= 0, f"rollout.{key}: must be >= 0 (or null)")
     _require(ro.temperature >= 0, "rollout.temperature: must be >= 0")
     _require(0 < ro.top_p <= 1, "rollout.top_p: must lie in (0, 1]")
     _require(ro.top_k is None or ro.top_k >= 1, "rollout.top_k: must be >= 1 (or null)")

@@ -42,4 +42,9 @@ def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder):
         return LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     from jgrpo.rollout.ray_backend import RayRollout  # the only ray import of jgrpo
 
-    return RayRollout(cfg, model_folder)
+    return RayRollout(
+        cfg,
+        model_folder,
+        num_cpus_per_worker=cfg.rollout.num_cpus_per_worker,
+        num_gpus_per_worker=cfg.rollout.num_gpus_per_worker,
+    )
