@@ -172,16 +172,21 @@ def reduce_minibatch_metrics(stacked: dict) -> dict:
     }
 
 
-def batch_statistics(data: dict, advantages_bt, group_ids_b) -> dict:
-    """Reward / advantage / group metrics of the rollout batch."""
-    sm_b = data["sample_mask"]
-    rewards_b = data["rewards"].astype(jnp.float32)
+def batch_statistics(batch: dict, advantages_bt, kept_b) -> dict:
+    """Reward metrics over the rollout's rows; advantage metrics over the rows kept for the loss
+    (`kept_b`: sample_mask after logprob-error masking)."""
+    sm_b = batch["sample_mask"]
+    rewards_b = batch["rewards"].astype(jnp.float32)
     n = jnp.maximum(jnp.sum(sm_b), 1.0)
     mean = jnp.sum(rewards_b * sm_b) / n
-    tm_bt = data["token_mask"] * sm_b[:, None]
+    tm_bt = batch["token_mask"] * kept_b[:, None]
     n_tok = jnp.maximum(jnp.sum(tm_bt), 1.0)
     adv_mean = jnp.sum(advantages_bt * tm_bt) / n_tok
-    b = rewards_b.shape[0]
+    valid_bt = tm_bt > 0
+    any_token = jnp.any(valid_bt)  # every row masked: report 0, not +-inf
+    adv_min = jnp.min(jnp.where(valid_bt, advantages_bt, jnp.inf))
+    adv_max = jnp.max(jnp.where(valid_bt, advantages_bt, -jnp.inf))
+    b, group_ids_b = rewards_b.shape[0], batch["group_ids"]
     gmax = jax.ops.segment_max(jnp.where(sm_b > 0, rewards_b, -jnp.inf), group_ids_b, b)
     gmin = jax.ops.segment_min(jnp.where(sm_b > 0, rewards_b, jnp.inf), group_ids_b, b)
     present = jax.ops.segment_sum(sm_b, group_ids_b, b) > 0
@@ -190,8 +195,8 @@ def batch_statistics(data: dict, advantages_bt, group_ids_b) -> dict:
         "reward/std": jnp.sqrt(jnp.sum(sm_b * (rewards_b - mean) ** 2) / n),
         "advantage/mean": adv_mean,
         "advantage/std": jnp.sqrt(jnp.sum(tm_bt * (advantages_bt - adv_mean) ** 2) / n_tok),
-        "advantage/min": jnp.min(jnp.where(tm_bt > 0, advantages_bt, jnp.inf)),
-        "advantage/max": jnp.max(jnp.where(tm_bt > 0, advantages_bt, -jnp.inf)),
+        "advantage/min": jnp.where(any_token, adv_min, 0.0),
+        "advantage/max": jnp.where(any_token, adv_max, 0.0),
         "reward/frac_groups_all_equal": jnp.sum(present & (gmax == gmin))
         / jnp.maximum(jnp.sum(present), 1),
     }
@@ -232,7 +237,7 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
         kl_bt=kl_bt,
         sample_mask_b=data["sample_mask"],
     )
-    metrics.update(batch_statistics(batch | data, data["advantages"], batch["group_ids"]))
+    metrics.update(batch_statistics(batch, data["advantages"], data["sample_mask"]))
     return data, metrics
 
 
