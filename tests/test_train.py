@@ -1,0 +1,68 @@
+"""The loop through jgrpo.train.run: NaN steps are skipped, rollout failures stop cleanly."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from jgrpo import train
+from jgrpo.config import load_config
+from jgrpo.metrics import read_metrics
+from jgrpo.rollout import LocalRollout, RolloutFailure
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
+
+
+def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypatch):
+    # rewards of 3e38 overflow the group statistics in float32: the advantages, hence the loss,
+    # become non-finite; the step must keep the params and count the skip
+    (tmp_path / "huge_rewards.py").write_text(
+        "def huge(prompt, completion, example):\n    return 3.0e38 * (len(completion) % 2)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    cfg = load_config(
+        TINY,
+        [
+            *QUIET,
+            "grpo.max_num_steps=3",
+            "data.task_reward_weight=0.0",
+            "data.reward_functions=[{function: 'huge_rewards:huge'}]",
+        ],
+    )
+    train.run(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    skipped = [r["train/skipped_updates"] for r in rows]
+    assert sum(skipped) >= 1
+    for r, s in zip(rows, skipped):
+        loss_finite = r["loss"] is not None and math.isfinite(r["loss"])
+        assert s == (0.0 if loss_finite else 1.0)
+        if s:  # non-finite values are written as null
+            assert r["train/grad_norm"] is None
+
+
+def test_rollout_failure_checkpoints_and_resume_finishes_the_run(tmp_path, monkeypatch):
+    overrides = [*QUIET, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
+    full_dir, broken_dir = tmp_path / "full", tmp_path / "broken"
+    train.run(load_config(TINY, overrides), full_dir)
+
+    collect = LocalRollout.collect
+
+    def failing_collect(self, step):
+        if step == 2:
+            raise RolloutFailure("worker budget exhausted (test)")
+        return collect(self, step)
+
+    monkeypatch.setattr(LocalRollout, "collect", failing_collect)
+    with pytest.raises(
+        train.RunStopped, match="checkpoint saved at step 2: continue with --resume"
+    ):
+        train.run(load_config(TINY, overrides), broken_dir)
+    assert (broken_dir / "checkpoints" / "2" / "commit_success.txt").is_file()
+    monkeypatch.setattr(LocalRollout, "collect", collect)
+
+    train.run(load_config(TINY, overrides), broken_dir, resume=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    assert strip(read_metrics(broken_dir)) == strip(read_metrics(full_dir))
