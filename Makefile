@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python tools/warm_start.py
+	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
 
 test: $(STAMP)
