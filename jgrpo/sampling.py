@@ -4,10 +4,11 @@ Public API::
 
     SamplingParams(max_new_tokens, temperature, top_p, top_k, stop_token_ids, pad_id,
                    prompt_bucket, ignore_eos, attention_chunk)        frozen; from_rollout_config()
-    generate(model | (graphdef, state), prompts: list[list[int]], params, key) -> Generation
+    generate(model | (graphdef, state), prompts: list[list[int]], params, key, first_row=0)
+        -> Generation
     pad_prompts(prompts, bucket, pad_id) -> (prompt_ids_bp, prompt_lengths_b)    host, numpy
     generate_padded(graphdef, state, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p,
-                    *, spec: DecodeSpec) -> dict of device arrays    the jitted core
+                    row_ids_b, *, spec: DecodeSpec) -> dict of device arrays    the jitted core
     filter_logits(scaled_bv, top_p, top_k) -> scaled_bv with filtered entries at -inf
     compile_count() -> int          executables compiled so far by the core (for tests/metrics)
 
@@ -57,7 +58,8 @@ times the number of prompt buckets its prompts span, plus the same for the valid
 with prompts shorter than one bucket (the built-in tasks at prompt_bucket 32/64) that is 2
 (train + validation), and never more than 2 x ceil(longest prompt / prompt_bucket).
 
-Determinism: the draw of token i uses `fold_in(key, i)`; for a fixed key, batch and
+Determinism: the draw of token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so a
+row's draws do not depend on the other rows of its batch; for a fixed key, batch and
 parameters the output is identical across calls (and across meshes up to float reduction
 order: sharded and unsharded parameters give the same tokens in the tests).
 """
@@ -219,11 +221,12 @@ def _argmax(x_bv):
     return jnp.min(jnp.where(at_max_bv, iota_bv, x_bv.shape[-1]), axis=-1)
 
 
-def sample_token(logits_bv, key, temperature, top_p, top_k: Optional[int]):
+def sample_token(logits_bv, keys_b, temperature, top_p, top_k: Optional[int]):
     """Draw one token per row in float32 -> (token_b, logprob_b, filtered_logprob_b).
 
-    Gumbel-max over the filtered logits; greedy (temperature 0) skips the noise under
-    `lax.cond` and takes the argmax (the filters always keep the maximum).
+    Gumbel-max over the filtered logits with one key per row (a row's draw does not depend on
+    which other rows share the batch); greedy (temperature 0) skips the noise under `lax.cond`
+    and takes the argmax (the filters always keep the maximum).
     """
     logits_bv = logits_bv.astype(jnp.float32)
     greedy = temperature <= 0
@@ -232,7 +235,9 @@ def sample_token(logits_bv, key, temperature, top_p, top_k: Optional[int]):
     noise_bv = jax.lax.cond(
         greedy,
         lambda: jnp.zeros_like(filtered_bv),
-        lambda: jax.random.gumbel(key, filtered_bv.shape, jnp.float32),
+        lambda: jax.vmap(lambda k: jax.random.gumbel(k, filtered_bv.shape[1:], jnp.float32))(
+            keys_b
+        ),
     )
     token_b = _argmax(filtered_bv + noise_bv)
 
@@ -266,7 +271,7 @@ def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def _generate_padded(
-    graphdef, state, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, *, spec
+    graphdef, state, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, row_ids_b, *, spec
 ):
     _COMPILES[0] += 1
     model: Transformer = nnx.merge(graphdef, state)
@@ -275,6 +280,7 @@ def _generate_padded(
     temperature = jnp.asarray(temperature, jnp.float32)
     top_p = jnp.asarray(top_p, jnp.float32)
     stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+    row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids_b)
 
     prompt_lengths_b = prompt_lengths_b.astype(jnp.int32)
     prompt_mask_bp = jnp.arange(p)[None, :] >= p - prompt_lengths_b[:, None]
@@ -288,9 +294,8 @@ def _generate_padded(
     def emit(i, logits_bv, carry):
         """Sample token i from logits_bv and record it (rows already done emit pad)."""
         tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = carry
-        token_b, lp_b, flp_b = sample_token(
-            logits_bv, jax.random.fold_in(key, i), temperature, top_p, spec.top_k
-        )
+        keys_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys_b, i)
+        token_b, lp_b, flp_b = sample_token(logits_bv, keys_b, temperature, top_p, spec.top_k)
         token_b = jnp.where(done_b, spec.pad_id, token_b)
         lp_b = jnp.where(done_b, 0.0, lp_b)
         flp_b = jnp.where(done_b, 0.0, flp_b)
@@ -383,8 +388,13 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
     )
 
 
-def generate(model, prompts: list[list[int]], params: SamplingParams, key) -> Generation:
-    """Sample completions of `prompts` from `model` (a Transformer or (graphdef, state))."""
+def generate(
+    model, prompts: list[list[int]], params: SamplingParams, key, first_row: int = 0
+) -> Generation:
+    """Sample completions of `prompts` from `model` (a Transformer or (graphdef, state)).
+
+    Row b draws with `fold_in(key, first_row + b)`: a batch split into parts (one per rollout
+    worker, each with its `first_row`) samples exactly what the whole batch would."""
     if isinstance(model, nnx.Module):
         cfg = model.cfg
         graphdef, state = nnx.split(model)
@@ -401,6 +411,7 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, key) -> Ge
         key,
         np.float32(params.temperature),
         np.float32(params.top_p),
+        np.arange(first_row, first_row + len(prompts), dtype=np.int32),
         spec=spec,
     )
     out = jax.device_get(out)

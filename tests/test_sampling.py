@@ -414,3 +414,20 @@ def test_smollm2_greedy_matches_transformers():
     ref = np.zeros((3, 16), np.int64)
     ref[:, : out.shape[1] - width] = out[:, width:].numpy()
     np.testing.assert_array_equal(gen.tokens, ref)
+
+
+def test_split_batch_samples_what_the_whole_batch_samples(pair):
+    """Per-row keys: rows generated in two parts (as two rollout workers do) are identical."""
+    _, model = pair
+    prompts = make_prompts(LENGTHS, seed=7)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, prompt_bucket=16)
+    key = jax.random.key(3)
+    whole = generate(model, prompts, params, key)
+    head = generate(model, prompts[:4], params, key)
+    tail = generate(model, prompts[4:], params, key, first_row=4)
+    np.testing.assert_array_equal(np.concatenate([head.tokens, tail.tokens]), whole.tokens)
+    np.testing.assert_allclose(
+        np.concatenate([head.logprobs, tail.logprobs]), whole.logprobs, atol=1e-6
+    )
+    shifted = generate(model, prompts[4:], params, key)  # without the offset: other draws
+    assert not np.array_equal(shifted.tokens, whole.tokens[4:])

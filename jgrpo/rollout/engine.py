@@ -110,13 +110,31 @@ class RolloutEngine:
         return texts, [list(self._encode(t)) for t in texts]
 
     def rollout(
-        self, graphdef, params, examples, key, version: int, num_generations: int, greedy=False
+        self,
+        graphdef,
+        params,
+        examples,
+        key,
+        version: int,
+        num_generations: int,
+        greedy=False,
+        first_prompt: int = 0,
     ) -> RolloutResult:
-        """Sample `num_generations` completions per example and score them."""
+        """Sample `num_generations` completions per example and score them.
+
+        `first_prompt`: index of examples[0] in the whole step, when a step is split over
+        workers; row draws depend on the global row index only, so the parts concatenated
+        (`concat_results`) equal the unsplit batch."""
         texts, token_lists = self.prompts(examples)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
         params_s = self.greedy_params if greedy else self.train_params
-        gen = sampling.generate((graphdef, params), [token_lists[i] for i in rows], params_s, key)
+        gen = sampling.generate(
+            (graphdef, params),
+            [token_lists[i] for i in rows],
+            params_s,
+            key,
+            first_row=first_prompt * num_generations,
+        )
         completions = [
             self.tokenizer.decode(gen.tokens[b, : gen.lengths[b]], skip_special_tokens=True)
             for b in range(len(rows))

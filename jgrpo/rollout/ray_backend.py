@@ -16,13 +16,15 @@ batch carries the worker-side `rollout/weight_pull_s` and `rollout/generate_s`.
 
 Scheduling. The driver runs no background thread: each protocol call first reaps finished
 batches (non-blocking) and hands queued batches to idle workers, one batch per worker at a time,
-so a batch always starts with the newest weights published when it starts. Step s goes to worker
-s % num_workers if that one is idle (round-robin), else to the next idle one. A batch is a whole
-step (never split), with the key `step_key(seed, s)` and the newest version, exactly what
-`LocalRollout` uses; so in sync mode the ray result equals the local one row for row.
+so a batch always starts with the newest weights published when it starts. A step (or a
+validation pass) is split into one part per worker over contiguous prompt ranges; part j of step
+s goes to worker (s + j) % num_workers if that one is idle, else to the next idle one. Every part
+uses the key `step_key(seed, s)` and the sampler draws row b with `fold_in(key, global row b)`,
+so the parts joined by `concat_results` equal the unsplit batch `LocalRollout` generates: in sync
+mode the ray result equals the local one row for row, whatever the number of workers.
 - Sync (rollout.max_staleness = 0): step s may start only once version >= s is published (the
-  trainer publishes version s, then requests step s); one step is in flight at a time, on one
-  worker.
+  trainer publishes version s, then requests step s); one step is in flight at a time, spread
+  over all workers.
 - Async (max_staleness = k >= 1): the trainer requests up to k steps ahead; a queued step s
   starts as soon as a worker is idle and the newest version v has s - v <= k; otherwise it waits
   for a newer publish. Generation of later steps thus overlaps training. `collect` checks every
@@ -58,7 +60,7 @@ import numpy as np
 import ray
 
 from jgrpo.config import Config
-from jgrpo.rollout.engine import RolloutFailure, RolloutResult, step_key
+from jgrpo.rollout.engine import RolloutFailure, RolloutResult, concat_results, step_key
 from jgrpo.rollout.local import VALIDATION_SALT
 
 
@@ -134,6 +136,7 @@ class RolloutWorker:
         salt: int,
         num_generations: int,
         greedy: bool,
+        first_prompt: int,
     ) -> RolloutResult:
         pull_s = 0.0
         if version != self.version:
@@ -145,7 +148,14 @@ class RolloutWorker:
         start = time.perf_counter()
         key = step_key(seed, step, salt)
         result = self.engine.rollout(
-            self.graphdef, self.params, examples, key, version, num_generations, greedy=greedy
+            self.graphdef,
+            self.params,
+            examples,
+            key,
+            version,
+            num_generations,
+            greedy=greedy,
+            first_prompt=first_prompt,
         )
         result.stats["rollout/weight_pull_s"] = pull_s
         result.stats["rollout/generate_s"] = time.perf_counter() - start
@@ -156,13 +166,14 @@ class RolloutWorker:
 class _Job:
     """One batch to generate: a training step (bounded staleness) or a validation pass."""
 
-    name: tuple  # ("train", step) | ("eval", n)
+    name: tuple  # ("train", step, part) | ("eval", n, part)
     step: int
     examples: list
     salt: int
     num_generations: int
     greedy: bool
     max_staleness: Optional[int]  # None: no bound (validation uses the newest weights)
+    first_prompt: int = 0  # index of examples[0] within the whole step
 
 
 class RayRollout:
@@ -198,6 +209,7 @@ class RayRollout:
         self._running: dict[ray.ObjectRef, tuple[int, _Job, int]] = {}
         self._results: dict[tuple, RolloutResult] = {}
         self._requested: set[tuple] = set()
+        self._parts: dict[tuple, list[_Job]] = {}
         self._num_evals = 0
         self._regenerated = 0
 
@@ -228,10 +240,8 @@ class RayRollout:
         if name in self._requested:
             raise ValueError(f"request: step {step} was already requested")
         self._requested.add(name)
-        self._queue.append(
-            _Job(name, step, list(examples), 0, self.num_generations, False, self.max_staleness)
-        )
-        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step))
+        self._queue += self._split(name, step, examples, 0, self.num_generations, False)
+        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, j.name[2]))
         self._pump()
 
     def collect(self, step: int) -> RolloutResult:
@@ -239,7 +249,7 @@ class RayRollout:
         name = ("train", step)
         if name not in self._requested:
             raise KeyError(f"collect: step {step} was not requested (or was already collected)")
-        result = self._wait_for(name)
+        result = self._gather(name)
         self._requested.discard(name)
         return result
 
@@ -247,9 +257,8 @@ class RayRollout:
         """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
         name = ("eval", self._num_evals)
         self._num_evals += 1
-        job = _Job(name, step, list(examples), VALIDATION_SALT, pass_k, pass_k == 1, None)
-        self._queue.insert(0, job)
-        return self._wait_for(name)
+        self._queue[:0] = self._split(name, step, examples, VALIDATION_SALT, pass_k, pass_k == 1)
+        return self._gather(name)
 
     def close(self) -> None:
         for worker in self._workers:
@@ -280,6 +289,42 @@ class RayRollout:
         ray.kill(self._workers[i], no_restart=True)  # it may still be alive after an exception
         self._start_worker(i)
 
+    def _split(self, name, step, examples, salt, num_generations, greedy) -> list[_Job]:
+        """One job per worker over contiguous prompt ranges (per-row keys: same draws)."""
+        bounds = np.linspace(0, len(examples), min(len(self._workers), len(examples)) + 1)
+        bounds = bounds.astype(int)
+        staleness = None if name[0] == "eval" else self.max_staleness
+        jobs = [
+            _Job(
+                (*name, part),
+                step,
+                list(examples[lo:hi]),
+                salt,
+                num_generations,
+                greedy,
+                staleness,
+                first_prompt=int(lo),
+            )
+            for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ]
+        self._parts[name] = jobs
+        return jobs
+
+    def _gather(self, name: tuple) -> RolloutResult:
+        """Wait for every part of `name` and join them in row order."""
+        jobs = self._parts.pop(name)
+        parts = [self._wait_for(job.name) for job in jobs]
+        result = concat_results(parts, [job.first_prompt for job in jobs])
+        staleness = name[1] - result.batch["weight_version"].astype(np.int64)
+        if name[0] == "train":
+            result.stats["rollout/staleness_max"] = float(staleness.max())
+            result.stats["rollout/staleness_mean"] = float(staleness.mean())
+        for key in ("rollout/weight_pull_s", "rollout/generate_s"):
+            result.stats[key] = max(p.stats[key] for p in parts)
+        result.stats["rollout/worker_failures"] = float(self.failures)
+        result.stats["rollout/regenerated"] = float(self._regenerated)
+        return result
+
     def _wait_for(self, name: tuple) -> RolloutResult:
         while name not in self._results:
             self._dispatch()
@@ -307,7 +352,8 @@ class RayRollout:
             if job.max_staleness is not None and job.step - version > job.max_staleness:
                 continue  # too far ahead of the newest weights: wait for a newer publish
             n = len(self._workers)
-            idle = [(job.step + j) % n for j in range(n) if (job.step + j) % n not in busy]
+            first = job.step + job.name[2]
+            idle = [(first + j) % n for j in range(n) if (first + j) % n not in busy]
             if not idle:
                 return
             w = idle[0]
@@ -320,6 +366,7 @@ class RayRollout:
                 job.salt,
                 job.num_generations,
                 job.greedy,
+                job.first_prompt,
             )
             self._running[out] = (w, job, version)
             self._queue.remove(job)
@@ -346,10 +393,6 @@ class RayRollout:
                 self._regenerated += 1
                 self._queue.insert(0, job)
                 continue
-            result.stats["rollout/staleness_max"] = float(staleness.max())
-            result.stats["rollout/staleness_mean"] = float(staleness.mean())
-            result.stats["rollout/worker_failures"] = float(self.failures)
-            result.stats["rollout/regenerated"] = float(self._regenerated)
             self._results[job.name] = result
 
     def _fail(self, w: int, job: _Job, error: Exception) -> None:
