@@ -43,3 +43,22 @@ def make_rollout_batch(seed, num_prompts=4, group=4, prompt_len=5, total_len=14,
 @pytest.fixture
 def rollout_batch():
     return make_rollout_batch(0)
+
+
+def make_random_hf_model(hf_config, seed=0):
+    """A transformers model with random weights large enough that logits are O(1).
+
+    HF's default init (std 0.02) makes every implementation look right; norms in [0.5, 1.5]
+    and matrices with std 0.15 do not."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import make_random_hf_model
 
 from jgrpo.models import ModelFormatError, from_pretrained, init_cache, save_pretrained
 
@@ -54,15 +55,7 @@ CONFIG_CLASSES = {
 def make_hf_model(family, extra, seed=0):
     """A random HF model with weights large enough that logits are O(1)."""
     cfg = CONFIG_CLASSES[family](**BASE, **extra, attn_implementation="eager")
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    return make_random_hf_model(cfg, seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

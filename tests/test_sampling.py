@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import make_random_hf_model
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -33,15 +34,7 @@ def make_hf_model(seed=0):
         bos_token_id=None,
         attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15)
-    return model
+    return make_random_hf_model(cfg, seed)
 
 
 @pytest.fixture(scope="module")
