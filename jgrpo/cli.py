@@ -121,6 +121,11 @@ def _train(cfg, args) -> int:
     run_dir = Path(args.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
     if args.resume and not (run_dir / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {str(run_dir)!r} has no checkpoints/ folder")
+    if not (args.resume or args.fresh) and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"--run-dir: {str(run_dir)!r} already holds a run; pass --resume to continue it "
+            "or --fresh to delete it"
+        )
     if args.fresh and run_dir.exists():
         import shutil
 

@@ -56,8 +56,7 @@ class Trainer:
     backend: Any
     checkpointer: Checkpointer
     start_step: int
-    data_state: dict
-    """Data-stream position before the examples of `start_step` were drawn."""
+    """First step to train (0, or the resumed checkpoint's step)."""
 
 
 def check_run(cfg: Config) -> None:
@@ -95,12 +94,12 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
     shardings = step.TrainState(p_shard, step.opt_state_shardings(tx, params, p_shard, rep), rep)
     state = step.init_train_state(params, tx, shardings)
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
-    start, data_state = 0, task.train.state()
+    start = 0
     latest = checkpointer.latest_step() if resume else None
     if latest is not None:
         state, meta = checkpointer.restore(latest, state)
-        start, data_state = meta["step"], meta["data_state"]
-        task.train.restore(data_state)
+        start = meta["step"]
+        task.train.restore(meta["data_state"])
         log.info("resumed from step %d", start)
 
     tokenizer = load_tokenizer(folder)
@@ -119,7 +118,6 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
         backend=backend,
         checkpointer=checkpointer,
         start_step=start,
-        data_state=data_state,
     )
 
 

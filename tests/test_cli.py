@@ -102,6 +102,13 @@ def test_bad_input_exits_2_with_one_line(capsys, bad_files, argv, needle):
     assert time.perf_counter() - start < 20
 
 
+def test_existing_run_folder_needs_resume_or_fresh(capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--run-dir", str(tmp_path))
+    assert code == 2 and "--run-dir" in err and "--resume" in err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
