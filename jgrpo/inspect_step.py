@@ -3,8 +3,8 @@
 Everything is abstract (jax.ShapeDtypeStruct with shardings): a full-size model can be sized
 for a mesh on a laptop. Reports XLA's flops, the dot ops of the compiled HLO (and the
 `stablehlo.dot_general` ops of the lowered program, which survive on GPU where dots may become
-custom calls), the named forwards present in the program, and per-device bytes of parameters,
-optimizer state and the step's temporaries.
+custom calls), the named forwards present in the compiled program and in the traced one (before
+dead-code elimination), and per-device bytes of parameters, optimizer state and temporaries.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
         shardings = step.TrainState(p_shard, o_shard, rep)
         fn = step.make_train_step(flags, graphdef, tx, shardings)
         ref = params if flags.compute_ref_logprobs else None
-        lowered = fn.lower(state, abstract_batch(cfg, mesh), step.make_hparams(cfg), ref)
+        args = (state, abstract_batch(cfg, mesh), step.make_hparams(cfg), ref)
+        lowered = fn.lower(*args)
         compiled = lowered.compile()
         text = compiled.as_text()
         memory = compiled.memory_analysis()
@@ -105,6 +106,7 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
             "dot_ops": text.count(" dot("),
             "dot_general_ops_lowered": lowered.as_text().count("stablehlo.dot_general"),
             "forwards": step.forwards_in_hlo(text),
+            "forwards_traced": step.forwards_in_jaxpr(jax.make_jaxpr(fn)(*args)),
             "temp_bytes_per_device": int(getattr(memory, "temp_size_in_bytes", 0)),
         }
     report["seconds"] = round(time.perf_counter() - start, 2)

@@ -332,3 +332,23 @@ def init_train_state(params, tx, state_shardings: TrainState | None = None) -> T
 def forwards_in_hlo(hlo_text: str) -> list[str]:
     """Which named forwards a compiled program contains (read from op metadata)."""
     return [name for name in FORWARDS if f"forward_{name}" in hlo_text]
+
+
+def forwards_in_jaxpr(closed_jaxpr) -> list[str]:
+    """Which named forwards were traced at all (before any dead-code elimination).
+
+    A forward computed and then ignored would vanish from compiled HLO through DCE; this walks
+    the traced jaxpr, sub-jaxprs of scan/while/cond/pjit included, so it would still show."""
+    scopes: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            scopes.add(str(eqn.source_info.name_stack))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return [name for name in FORWARDS if any(f"forward_{name}" in s for s in scopes)]

@@ -278,6 +278,7 @@ def test_inspect_step_reports_forwards(capsys):
     assert reports["both"]["forwards"] == ["ref", "prev", "policy"]
     assert reports["on_policy"]["forwards"] == ["ref", "policy"]
     assert reports["none"]["forwards"] == ["policy"]
+    assert all(r["forwards_traced"] == r["forwards"] for r in reports.values())
     one_forward = reports["both"]["dot_ops"] - reports["on_policy"]["dot_ops"]
     assert one_forward > 0
     assert reports["on_policy"]["dot_ops"] - reports["none"]["dot_ops"] == one_forward

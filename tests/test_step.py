@@ -59,6 +59,8 @@ def compiled(overrides):
     fn, state, ref, hp, batch, *_ = build(overrides)
     exe = fn.lower(state, batch, hp, ref).compile()
     text = exe.as_text()
+    traced = step.forwards_in_jaxpr(jax.make_jaxpr(fn)(state, batch, hp, ref))
+    assert traced == step.forwards_in_hlo(text), "a forward was traced, then eliminated"
     return exe.cost_analysis()["flops"], text.count(" dot("), step.forwards_in_hlo(text)
 
 
