@@ -111,6 +111,15 @@ def _dispatch(args) -> int:
     return _train(cfg, args)
 
 
+def _fresh_run_dir(root: Path) -> Path:
+    """runs/<timestamp>, with a suffix when that name is taken."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    candidate, n = root / stamp, 1
+    while candidate.exists():
+        candidate, n = root / f"{stamp}-{n}", n + 1
+    return candidate
+
+
 def _train(cfg, args) -> int:
     if args.show_config:
         print(format_config(cfg))
@@ -118,7 +127,7 @@ def _train(cfg, args) -> int:
     from jgrpo import train
 
     train.check_run(cfg)
-    run_dir = Path(args.run_dir or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    run_dir = Path(args.run_dir) if args.run_dir else _fresh_run_dir(Path("runs"))
     if args.resume and not (run_dir / "checkpoints").is_dir():
         raise ConfigError(f"--resume: {str(run_dir)!r} has no checkpoints/ folder")
     if not (args.resume or args.fresh) and (run_dir / "metrics.jsonl").exists():

@@ -66,3 +66,43 @@ def test_rollout_failure_checkpoints_and_resume_finishes_the_run(tmp_path, monke
     train.run(load_config(TINY, overrides), broken_dir, resume=True)
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
     assert strip(read_metrics(broken_dir)) == strip(read_metrics(full_dir))
+
+
+def test_validation_pass_at_k_groups_samples_by_example():
+    """pass@k: an example counts when any of its k samples is correct (rows are example-major)."""
+    import numpy as np
+
+    from jgrpo.rollout import RolloutResult
+
+    class Backend:
+        def evaluate(self, examples, step, pass_k):
+            correct = np.array([[0, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+            assert pass_k == 4 and len(examples) == 3
+            batch = {
+                "correct": correct.reshape(-1),
+                "rewards": correct.reshape(-1).astype(np.float32),
+                "lengths": np.full(12, 3),
+            }
+            return RolloutResult(batch, {}, [])
+
+    class Task:
+        val = ["a", "b", "c"]
+
+    cfg = load_config(TINY, ["grpo.val_pass_k=4"])
+    t = train.Trainer(
+        cfg=cfg,
+        run_dir=None,
+        mesh=None,
+        graphdef=None,
+        state=None,
+        ref_params=None,
+        hparams=None,
+        step_fn=None,
+        task=Task(),
+        backend=Backend(),
+        checkpointer=None,
+        start_step=0,
+    )
+    metrics = train.validate(t, 0)
+    assert metrics["val/accuracy"] == pytest.approx(2 / 3)
+    assert metrics["val/reward_mean"] == pytest.approx(5 / 12)
