@@ -177,6 +177,10 @@ def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dic
     }
 
 
+VALIDATION_SALT = 1
+"""step_key salt of validation draws (training uses 0), shared by every backend."""
+
+
 def step_key(seed: int, step: int, salt: int = 0):
     """The sampling key of training step `step` (salt separates validation draws)."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), step)

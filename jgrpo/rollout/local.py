@@ -7,9 +7,7 @@ published params, so it is always on-policy (rollout.max_staleness must be 0).
 
 from __future__ import annotations
 
-from jgrpo.rollout.engine import RolloutEngine, RolloutResult, step_key
-
-VALIDATION_SALT = 1
+from jgrpo.rollout.engine import VALIDATION_SALT, RolloutEngine, RolloutResult, step_key
 
 
 class LocalRollout:

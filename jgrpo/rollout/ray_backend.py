@@ -60,8 +60,13 @@ import numpy as np
 import ray
 
 from jgrpo.config import Config
-from jgrpo.rollout.engine import RolloutFailure, RolloutResult, concat_results, step_key
-from jgrpo.rollout.local import VALIDATION_SALT
+from jgrpo.rollout.engine import (
+    VALIDATION_SALT,
+    RolloutFailure,
+    RolloutResult,
+    concat_results,
+    step_key,
+)
 
 
 def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> bool:
