@@ -5,7 +5,7 @@ On-disk layout::
 
     RUN_DIR/metrics.jsonl   one JSON object per logged step, flushed per line
     RUN_DIR/tb/             TensorBoard events (logging.tensorboard)
-    RUN_DIR/plots/*.png     plot_run(RUN_DIR): reward.png, val.png, kl.png, length.png, loss.png
+    RUN_DIR/plots/*.png     plot_run(RUN_DIR): reward, accuracy, kl, length, loss (.png)
 
 metrics.jsonl rules (what :func:`read_metrics` and ``jgrpo plot`` rely on):
 
@@ -47,11 +47,12 @@ BAR_FIELDS = {"reward": "reward/mean", "acc": "val/accuracy", "tok/s": "perf/tok
 
 # plot_run: one PNG per name, holding every metric key that starts with one of these prefixes
 # or equals one without its slash (`loss` and `loss/pg` both go to loss.png).
+# Curves sharing a figure share a scale: counts and lengths stay out of the [0, 1] figures.
 PLOT_GROUPS = {
-    "reward": ("reward/",),
-    "val": ("val/",),
-    "kl": ("kl/", "loss/kl"),
-    "length": ("length/",),
+    "reward": ("reward/mean", "reward/std", "reward/accuracy", "reward/frac_groups_all_equal"),
+    "accuracy": ("val/accuracy", "val/reward_mean"),
+    "kl": ("kl/", "loss/kl", "logprob/gen_kl_error", "logprob/policy_kl_error"),
+    "length": ("length/mean", "length/min", "length/max", "val/length_mean"),
     "loss": ("loss/",),
 }
 

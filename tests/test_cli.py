@@ -163,7 +163,7 @@ def test_tiny_run_through_cli(capsys, tmp_path):
     code, out, err = run_cli(capsys, "plot", str(run_dir))
     assert code == 0, err
     pngs = [Path(line) for line in out.split()]
-    assert {p.name for p in pngs} >= {"reward.png", "val.png", "kl.png", "length.png"}
+    assert {p.name for p in pngs} >= {"reward.png", "accuracy.png", "kl.png", "length.png"}
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["grpo"]["num_prompts_per_step"] == 4

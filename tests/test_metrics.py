@@ -185,7 +185,7 @@ def test_plot_run_writes_pngs(tmp_path):
         run_steps(logger, range(1, 7))
     paths = plot_run(tmp_path)
     names = sorted(p.name for p in paths)
-    assert names == ["kl.png", "length.png", "loss.png", "reward.png", "val.png"]
+    assert names == ["accuracy.png", "kl.png", "length.png", "loss.png", "reward.png"]
     for path in paths:
         assert path.parent == tmp_path / "plots"
         data = path.read_bytes()
