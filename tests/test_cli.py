@@ -333,3 +333,35 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     opt_ratio = reports[1]["opt_state_bytes_per_device"] / reports[8]["opt_state_bytes_per_device"]
     assert 7.9 < opt_ratio <= 8.0
     assert reports[8]["temp_bytes_per_device"] > 0
+
+
+def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
+    records = [
+        {
+            "question": f"Tom has {a} apples and buys {b} more. How many?",
+            "answer": f"He has {a}+{b}=<<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}",
+        }
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (4, 1), (6, 3), (9, 9)]
+    ]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    quick = [
+        "grpo.max_num_steps=2",
+        "grpo.val_at_start=false",
+        "logging.tensorboard=false",
+        "data.num_val_examples=4",
+        "rollout.prompt_bucket=64",
+    ]
+    for name, task in {
+        "gsm8k": ["data.task=gsm8k", f"data.train_path={data}"],
+        "countdown": ["data.task=countdown", "data.countdown_num_numbers=3"],
+    }.items():
+        run_dir = tmp_path / name
+        code, _, err = run_cli(
+            capsys, "train", "--config", TINY, "--run-dir", str(run_dir), *task, *quick
+        )
+        assert code == 0, (name, err)
+        rows = read_metrics(run_dir)
+        assert [r["step"] for r in rows] == [1, 2], name
+        assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0
+        assert all(math.isfinite(r["loss"]) for r in rows)
