@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jgrpo import sharding, step
-from jgrpo.config import Config, ConfigError
+from jgrpo.config import Config
 from jgrpo.models import Transformer, config_from_hf
 from jgrpo.models.sources import resolve_model_path
 
@@ -70,12 +70,8 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
     model_cfg = model_config_of(cfg)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, model_state = nnx.split(abstract_model)
+    step.check_batch_split(cfg, jax.device_count())
     mesh = sharding.make_mesh(cfg.mesh)
-    if cfg.grpo.batch_size % sharding.batch_shards(mesh):
-        raise ConfigError(
-            f"grpo: {cfg.grpo.batch_size} rows do not divide over mesh.data x mesh.fsdp = "
-            f"{sharding.batch_shards(mesh)}"
-        )
     p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
     params = _abstract(nnx.to_pure_dict(model_state), p_shard)
     tx = step.make_optimizer(cfg)

@@ -111,10 +111,6 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
-def batch_shards(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """Place a host batch (this process's rows) on the mesh, split over data x fsdp."""
     out = {}

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jgrpo import losses
-from jgrpo.config import AdvantageConfig, Config, LossConfig
+from jgrpo import losses, sharding
+from jgrpo.config import AdvantageConfig, Config, ConfigError, LossConfig
 
 FORWARDS = ("ref", "prev", "policy")
 
@@ -93,6 +93,20 @@ def split_floats(section) -> tuple[Any, dict[str, float]]:
         if isinstance(getattr(section, f.name), float)
     }
     return dataclasses.replace(section, **dict.fromkeys(floats, 0.0)), floats
+
+
+def check_batch_split(cfg: Config, num_devices: int) -> None:
+    """Every minibatch/microbatch chunk must split evenly over the batch-sharded devices."""
+    data, fsdp, _ = sharding.resolve_mesh_shape(cfg.mesh, num_devices)
+    g = cfg.grpo
+    rows = g.batch_size // (g.num_minibatches * g.num_microbatches)
+    if rows % (data * fsdp):
+        raise ConfigError(
+            f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} rows "
+            f"split into {g.num_minibatches} minibatches x {g.num_microbatches} microbatches "
+            f"leaves {rows} rows per chunk, not divisible by mesh.data x mesh.fsdp = "
+            f"{data * fsdp}"
+        )
 
 
 def make_hparams(cfg: Config) -> dict:
