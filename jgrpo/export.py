@@ -61,7 +61,7 @@ def export_checkpoint(path, out) -> Path:
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
     """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
-    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer
+    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
     from jgrpo.tasks import make_task
 
     task = make_task(cfg.data, cfg.grpo.seed)
@@ -76,10 +76,5 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     backend.publish(nnx.to_pure_dict(state), 0)
     k = cfg.grpo.val_pass_k
     result = backend.evaluate(task.val, 0, pass_k=k)
-    correct = result.batch["correct"].reshape(len(task.val), k)
-    return {
-        "val/accuracy": float(correct.any(axis=1).mean()),
-        "val/reward_mean": float(result.batch["rewards"].mean()),
-        "num_examples": len(task.val),
-        "pass_k": k,
-    }
+    metrics = validation_metrics(result, len(task.val), k)
+    return metrics | {"num_examples": len(task.val), "pass_k": k}

@@ -26,11 +26,17 @@ from flax import nnx
 
 from jgrpo import sharding, step
 from jgrpo.checkpoint import Checkpointer
-from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.config import Config, to_dict
 from jgrpo.metrics import MetricsLogger, plot_run
 from jgrpo.models import from_pretrained
 from jgrpo.models.sources import check_model_path, resolve_model_path
-from jgrpo.rollout import RolloutEngine, RolloutFailure, load_tokenizer, make_backend
+from jgrpo.rollout import (
+    RolloutEngine,
+    RolloutFailure,
+    load_tokenizer,
+    make_backend,
+    validation_metrics,
+)
 from jgrpo.tasks import make_task
 
 log = logging.getLogger("jgrpo")
@@ -45,9 +51,7 @@ class Trainer:
     """Everything a running GRPO job holds (built by `setup`)."""
 
     cfg: Config
-    run_dir: Path
     mesh: Any
-    graphdef: Any
     state: step.TrainState
     ref_params: Any
     hparams: dict
@@ -62,16 +66,7 @@ class Trainer:
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
     check_model_path(cfg.model.path)
-    mesh_shape = sharding.resolve_mesh_shape(cfg.mesh, jax.device_count())
-    shards = mesh_shape[0] * mesh_shape[1]
-    g = cfg.grpo
-    rows = g.batch_size // (g.num_minibatches * g.num_microbatches)
-    if rows % shards:
-        raise ConfigError(
-            f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} rows "
-            f"split into {g.num_minibatches} minibatches x {g.num_microbatches} microbatches "
-            f"leaves {rows} rows per chunk, not divisible by mesh.data x mesh.fsdp = {shards}"
-        )
+    step.check_batch_split(cfg, jax.device_count())
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
@@ -107,9 +102,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
     backend = make_backend(cfg, engine, graphdef, folder)
     return Trainer(
         cfg=cfg,
-        run_dir=run_dir,
         mesh=mesh,
-        graphdef=graphdef,
         state=state,
         ref_params=ref_params,
         hparams=step.make_hparams(cfg),
@@ -126,13 +119,8 @@ def validate(t: Trainer, step_index: int) -> dict[str, float]:
     k = t.cfg.grpo.val_pass_k
     start = time.perf_counter()
     result = t.backend.evaluate(t.task.val, step_index, pass_k=k)
-    correct = result.batch["correct"].reshape(len(t.task.val), k)
-    return {
-        "val/accuracy": float(correct.any(axis=1).mean()),
-        "val/reward_mean": float(result.batch["rewards"].mean()),
-        "val/length_mean": float(result.batch["lengths"].mean()),
-        "perf/val_s": time.perf_counter() - start,
-    }
+    metrics = validation_metrics(result, len(t.task.val), k)
+    return metrics | {"perf/val_s": time.perf_counter() - start}
 
 
 def save_checkpoint(t: Trainer, done: int, data_state: dict) -> None:

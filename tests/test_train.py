@@ -91,9 +91,7 @@ def test_validation_pass_at_k_groups_samples_by_example():
     cfg = load_config(TINY, ["grpo.val_pass_k=4"])
     t = train.Trainer(
         cfg=cfg,
-        run_dir=None,
         mesh=None,
-        graphdef=None,
         state=None,
         ref_params=None,
         hparams=None,

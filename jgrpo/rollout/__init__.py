@@ -20,6 +20,7 @@ from jgrpo.rollout.engine import (
     concat_results,
     load_tokenizer,
     step_key,
+    validation_metrics,
 )
 from jgrpo.rollout.local import LocalRollout
 
@@ -33,6 +34,7 @@ __all__ = [
     "concat_results",
     "load_tokenizer",
     "step_key",
+    "validation_metrics",
 ]
 
 

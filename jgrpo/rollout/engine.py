@@ -181,6 +181,17 @@ VALIDATION_SALT = 1
 """step_key salt of validation draws (training uses 0), shared by every backend."""
 
 
+def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
+    """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
+    pass_k samples (rows are example-major) is correct."""
+    correct = result.batch["correct"].reshape(num_examples, pass_k)
+    return {
+        "val/accuracy": float(correct.any(axis=1).mean()),
+        "val/reward_mean": float(result.batch["rewards"].mean()),
+        "val/length_mean": float(result.batch["lengths"].mean()),
+    }
+
+
 def step_key(seed: int, step: int, salt: int = 0):
     """The sampling key of training step `step` (salt separates validation draws)."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), step)
