@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jgrpo.models.transformer import Transformer, init_cache
+from jgrpo.models.transformer import Transformer
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
 
@@ -135,6 +135,8 @@ class DecodeSpec:
     """The static part of a generate call (hashable: a jit static argument)."""
 
     max_new_tokens: int
+    greedy: bool
+    """temperature == 0: argmax, no random draws (a separate program from sampling)."""
     top_k: Optional[int]
     stop_token_ids: tuple[int, ...]
     """The full stop set (model eos ids unless ignored, plus extra stops), sorted."""
@@ -221,32 +223,36 @@ def _argmax(x_bv):
     return jnp.min(jnp.where(at_max_bv, iota_bv, x_bv.shape[-1]), axis=-1)
 
 
-def sample_token(logits_bv, keys_b, temperature, top_p, top_k: Optional[int]):
-    """Draw one token per row in float32 -> (token_b, logprob_b, filtered_logprob_b).
+def greedy_token(logits_bv):
+    """Greedy pick in float32 -> (token_b = first argmax, log_softmax(logits)[token_b]).
 
-    Gumbel-max over the filtered logits with one key per row (a row's draw does not depend on
-    which other rows share the batch); greedy (temperature 0) skips the noise under `lax.cond`
-    and takes the argmax (the filters always keep the maximum).
-    """
+    The logprob is -log(sum(exp(logits - max))): log_softmax at the argmax, where
+    `logits - max` is exactly 0 (bit-identical to indexing `jax.nn.log_softmax`)."""
     logits_bv = logits_bv.astype(jnp.float32)
-    greedy = temperature <= 0
-    scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
+    iota_bv = jax.lax.broadcasted_iota(jnp.int32, logits_bv.shape, 1)
+    token_b = jnp.min(jnp.where(logits_bv == max_b1, iota_bv, logits_bv.shape[-1]), axis=-1)
+    logprob_b = -jnp.log(jnp.sum(jnp.exp(logits_bv - max_b1), axis=-1))
+    return token_b, logprob_b
+
+
+def sample_token(logits_bv, keys_b, temperature, top_p, top_k: Optional[int]):
+    """Draw one token per row at temperature > 0 in float32
+    -> (token_b, logprob_b, filtered_logprob_b).
+
+    Gumbel-max over the filtered, temperature-scaled logits with one key per row (a row's draw
+    does not depend on which other rows share the batch).
+    """
+    scaled_bv = logits_bv.astype(jnp.float32) / temperature
     filtered_bv = filter_logits(scaled_bv, top_p, top_k)
-    noise_bv = jax.lax.cond(
-        greedy,
-        lambda: jnp.zeros_like(filtered_bv),
-        lambda: jax.vmap(lambda k: jax.random.gumbel(k, filtered_bv.shape[1:], jnp.float32))(
-            keys_b
-        ),
-    )
+    noise_bv = jax.vmap(lambda k: jax.random.gumbel(k, filtered_bv.shape[1:], jnp.float32))(keys_b)
     token_b = _argmax(filtered_bv + noise_bv)
 
     def pick(logp_bv):
         return jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
 
     logprob_b = pick(jax.nn.log_softmax(scaled_bv, axis=-1))
-    filtered_b = jnp.where(greedy, 0.0, pick(jax.nn.log_softmax(filtered_bv, axis=-1)))
-    return token_b, logprob_b, filtered_b
+    return token_b, logprob_b, pick(jax.nn.log_softmax(filtered_bv, axis=-1))
 
 
 # ----------------------------------------------------------------------------- the jitted core
@@ -277,25 +283,33 @@ def _generate_padded(
     model: Transformer = nnx.merge(graphdef, state)
     b, p = prompt_ids_bp.shape
     n = spec.max_new_tokens
-    temperature = jnp.asarray(temperature, jnp.float32)
-    top_p = jnp.asarray(top_p, jnp.float32)
     stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
-    row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids_b)
 
     prompt_lengths_b = prompt_lengths_b.astype(jnp.int32)
     prompt_mask_bp = jnp.arange(p)[None, :] >= p - prompt_lengths_b[:, None]
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=-1) - 1, 0)
     kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, n - 1), jnp.bool_)], axis=-1)
-    cache = init_cache(model.cfg, b, p + n - 1)
-    logits_b1v, cache = model.decode(
-        prompt_ids_bp, positions_bp, kv_mask_bs, cache, 0, attend_len=p, last_logits_only=True
-    )
+    logits_bv, cache = model.prefill(prompt_ids_bp, positions_bp, prompt_mask_bp, p + n - 1)
+
+    if spec.greedy:
+
+        def draw(i, logits_bv):
+            token_b, lp_b = greedy_token(logits_bv)
+            return token_b, lp_b, jnp.zeros_like(lp_b)
+    else:
+        temperature = jnp.asarray(temperature, jnp.float32)
+        top_p = jnp.asarray(top_p, jnp.float32)
+        row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids_b)
+        fold_rows = jax.vmap(jax.random.fold_in, (0, None))
+        step_keys_nb = jax.vmap(fold_rows, (None, 0))(row_keys_b, jnp.arange(n))  # hoisted
+
+        def draw(i, logits_bv):
+            return sample_token(logits_bv, step_keys_nb[i], temperature, top_p, spec.top_k)
 
     def emit(i, logits_bv, carry):
-        """Sample token i from logits_bv and record it (rows already done emit pad)."""
+        """Draw token i from logits_bv and record it (rows already done emit pad)."""
         tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = carry
-        keys_b = jax.vmap(jax.random.fold_in, (0, None))(row_keys_b, i)
-        token_b, lp_b, flp_b = sample_token(logits_bv, keys_b, temperature, top_p, spec.top_k)
+        token_b, lp_b, flp_b = draw(i, logits_bv)
         token_b = jnp.where(done_b, spec.pad_id, token_b)
         lp_b = jnp.where(done_b, 0.0, lp_b)
         flp_b = jnp.where(done_b, 0.0, flp_b)
@@ -317,8 +331,9 @@ def _generate_padded(
         jnp.zeros((b,), jnp.bool_),
         jnp.zeros((b,), jnp.int32),
     )
-    out, token_b = emit(0, logits_b1v[:, 0], out)
+    out, token_b = emit(0, logits_bv, out)
     i = jnp.asarray(1, jnp.int32)
+    layers = model.layer_weights() if n > 1 else ()  # once per call, not once per token
 
     for _, end in _segments(n, spec.attention_chunk):
         attend_len = p + end - 1  # slots written by the last step of this segment
@@ -330,11 +345,10 @@ def _generate_padded(
         def body(loop, attend_len=attend_len):
             i, cache, token_b, out = loop
             slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
-            positions_b1 = (prompt_lengths_b + i - 1)[:, None]
-            logits_b1v, cache = model.decode(
-                token_b[:, None], positions_b1, kv_mask_bs, cache, slot, attend_len=attend_len
+            logits_bv, cache = model.decode_step(
+                layers, token_b, prompt_lengths_b + i - 1, kv_mask_bs, cache, slot, attend_len
             )
-            out, token_b = emit(i, logits_b1v[:, 0], out)
+            out, token_b = emit(i, logits_bv, out)
             return i + 1, cache, token_b, out
 
         i, cache, token_b, out = jax.lax.while_loop(cond, body, (i, cache, token_b, out))
@@ -381,7 +395,8 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
         pad_id = eos[0] if eos else 0
     return DecodeSpec(
         max_new_tokens=params.max_new_tokens,
-        top_k=params.top_k,
+        greedy=params.temperature == 0,
+        top_k=None if params.temperature == 0 else params.top_k,
         stop_token_ids=tuple(sorted(set(eos) | set(params.stop_token_ids))),
         pad_id=int(pad_id),
         attention_chunk=params.attention_chunk,

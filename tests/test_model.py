@@ -10,7 +10,7 @@ import torch
 import transformers
 from conftest import make_random_hf_model
 
-from jgrpo.models import ModelFormatError, from_pretrained, init_cache, save_pretrained
+from jgrpo.models import ModelFormatError, from_pretrained, save_pretrained
 
 TOL = 1e-4
 
@@ -106,7 +106,8 @@ def test_padded_batch_matches_transformers(hf_pair):
 
 
 def test_cached_decode_matches_full_forward(hf_pair):
-    """Prefill a left-padded prompt, then decode token by token: same logits as one forward."""
+    """Prefill a left-padded prompt, then decode token by token: same logits as one forward,
+    both attending over the whole cache and over a prefix of it (attend_len)."""
     _, _, folder = hf_pair
     model = from_pretrained(folder)
     rng = np.random.RandomState(3)
@@ -116,19 +117,27 @@ def test_cached_decode_matches_full_forward(hf_pair):
     mask[0, :2] = False
     full = np.asarray(model(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask)))
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    cache = init_cache(model.cfg, 2, total)
     kv_mask = jnp.asarray(mask)
-    logits, cache = model.decode(
-        jnp.asarray(ids[:, :prompt_len]), jnp.asarray(positions[:, :prompt_len]), kv_mask, cache, 0
+    logits, cache = model.prefill(
+        jnp.asarray(ids[:, :prompt_len]),
+        jnp.asarray(positions[:, :prompt_len]),
+        kv_mask[:, :prompt_len],
+        total,
     )
-    steps = [np.asarray(logits)]
+    assert len(cache.keys) == model.cfg.num_layers
+    assert cache.keys[0].shape == (2, model.cfg.num_kv_heads, total, model.cfg.head_dim)
+    np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
+    layers = model.layer_weights()
+    step = jax.jit(model.decode_step, static_argnums=6)
     for t in range(prompt_len, total):
-        logits, cache = model.decode(
-            jnp.asarray(ids[:, t : t + 1]), jnp.asarray(positions[:, t : t + 1]), kv_mask, cache, t
+        attend_len = None if t % 2 else t + 1  # a prefix that still holds slot t
+        logits, cache = step(
+            layers, jnp.asarray(ids[:, t]), jnp.asarray(positions[:, t]), kv_mask, cache, t,
+            attend_len,
         )
-        steps.append(np.asarray(logits))
-    decoded = np.concatenate(steps, axis=1)
-    np.testing.assert_allclose(decoded[mask], full[mask], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(logits)[mask[:, t]], full[:, t][mask[:, t]], atol=1e-5, rtol=0
+        )
 
 
 def test_save_pretrained_roundtrip(hf_pair, tmp_path):

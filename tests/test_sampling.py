@@ -419,8 +419,11 @@ def test_split_batch_samples_what_the_whole_batch_samples(pair):
     head = generate(model, prompts[:4], params, key)
     tail = generate(model, prompts[4:], params, key, first_row=4)
     np.testing.assert_array_equal(np.concatenate([head.tokens, tail.tokens]), whole.tokens)
+    # Logprobs agree to float32 rounding, not bit for bit: XLA:CPU matmul results depend on the
+    # number of rows at the ulp level (the trainer's own full forward gives logits differing by
+    # ~3e-6 between a 12-row batch and its 4- and 8-row parts).
     np.testing.assert_allclose(
-        np.concatenate([head.logprobs, tail.logprobs]), whole.logprobs, atol=1e-6
+        np.concatenate([head.logprobs, tail.logprobs]), whole.logprobs, atol=1e-5
     )
     shifted = generate(model, prompts[4:], params, key)  # without the offset: other draws
     assert not np.array_equal(shifted.tokens, whole.tokens[4:])

@@ -1,7 +1,7 @@
 """The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3) with HF weights in and out.
 
 Public API: `from_pretrained(path, dtype="float32")`, `save_pretrained(model, path)`,
-`Transformer`, `TransformerConfig`, `KVCache`, `init_cache`.
+`Transformer`, `TransformerConfig`, `KVCache`.
 """
 
 from jgrpo.models.hf import (
@@ -16,7 +16,6 @@ from jgrpo.models.transformer import (
     RopeScaling,
     Transformer,
     TransformerConfig,
-    init_cache,
 )
 
 __all__ = [
@@ -28,6 +27,5 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "from_pretrained",
-    "init_cache",
     "save_pretrained",
 ]

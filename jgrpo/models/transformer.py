@@ -7,19 +7,26 @@ norms, softmax and RoPE tables in float32, logits returned in float32.
 
 Layers are stored stacked along a leading `layers` axis and run with `lax.scan`, so a 30-layer
 model compiles as fast as a 2-layer one. Every parameter carries logical axis names in its
-`logical_axes` metadata; `jgrpo.sharding` maps them to mesh axes.
+`logical_axes` metadata; `jgrpo.sharding` maps them to mesh axes. The single-token decode step
+is the exception: it runs the layers unrolled over per-layer weight slices taken once per
+generate call (`layer_weights`), because a scan would slice (copy) every layer's weights again
+for every generated token.
 
 Shape legend: b batch rows, t query tokens, s key slots, d model, n query heads, k kv heads,
 g query heads per kv head, h head dim, f mlp, v vocab, l layers.
 
-Two entry points:
+Entry points:
 - `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv: causal
   attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
   positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
-- `model.decode(input_ids_bt, positions_bt, kv_mask_bs, cache, cache_index)` -> (logits, cache):
-  writes the new tokens' keys/values into the KV cache at slot `cache_index` (in place) and
-  attends over every cache slot `s` (or the first `attend_len`) with `kv_mask_bs[b, s]` and
-  `s <= cache_index + t` (the sampler's path, `jgrpo.sampling`).
+- `model.prefill(input_ids_bt, positions_bt, attention_mask_bt, cache_len)` -> (logits_bv of the
+  last position, KVCache): the same forward, keeping every layer's keys/values in cache slots
+  [0, t) of a `cache_len`-slot cache.
+- `model.decode_step(layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len=None)`
+  -> (logits_bv, cache): one new token per row; writes its keys/values at cache `slot` (in
+  place) and attends over slots `s < attend_len` with `kv_mask_bs[b, s]` and `s <= slot`.
+  `layers = model.layer_weights()` is taken once by the caller, outside its decode loop.
+The sampler (`jgrpo.sampling`) is their user.
 """
 
 from __future__ import annotations
@@ -80,16 +87,12 @@ class TransformerConfig:
 
 
 class KVCache(NamedTuple):
-    """Per-layer keys and values: [l, b, s, k, h]."""
+    """Keys and values, one [b, k, s, h] array per layer (separate buffers, so a decode step
+    updates and reads each layer's cache in place; kv heads before slots, so the attention
+    dots read each head's slots contiguously)."""
 
-    k_lbskh: jax.Array
-    v_lbskh: jax.Array
-
-
-def init_cache(cfg: TransformerConfig, batch_size: int, max_len: int) -> KVCache:
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, cfg.jnp_dtype)
-    return KVCache(zeros, zeros)
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -121,11 +124,16 @@ def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x_btnh, positions_bt, inv_freq_h2):
-    """Rotate-half RoPE (HF layout: the two halves of head_dim pair up)."""
-    freqs_bth2 = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h2
+def rope_tables(cfg: TransformerConfig, positions_bt):
+    """(cos, sin) [b, t, 1, h] in float32 for `apply_rope`: computed once per forward, shared by
+    every layer."""
+    freqs_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
     emb_bth = jnp.concatenate([freqs_bth2, freqs_bth2], axis=-1)
-    cos, sin = jnp.cos(emb_bth)[:, :, None, :], jnp.sin(emb_bth)[:, :, None, :]
+    return jnp.cos(emb_bth)[:, :, None, :], jnp.sin(emb_bth)[:, :, None, :]
+
+
+def apply_rope(x_btnh, cos, sin):
+    """Rotate-half RoPE (HF layout: the two halves of head_dim pair up)."""
     x1, x2 = jnp.split(x_btnh, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     out = x_btnh.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
@@ -151,7 +159,7 @@ def _dense(x, w, b=None):
     return y if b is None else y + b
 
 
-def _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq):
+def _layer_qkv(p, cfg, x_btd, rope):
     h_btd = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
     q = _dense(h_btd, p["q"], p.get("q_bias"))
     k = _dense(h_btd, p["k"], p.get("k_bias"))
@@ -159,7 +167,7 @@ def _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq):
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+    return apply_rope(q, *rope), apply_rope(k, *rope), v
 
 
 def _layer_out(p, cfg, x_btd, attn_btnh):
@@ -231,7 +239,16 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head[...]
         return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
 
-    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+    def layer_weights(self) -> tuple[dict, ...]:
+        """Each layer's parameters as its own arrays (a copy of the stacked layer weights when
+        called under jit): what `decode_step` runs on. Take it once, outside a decode loop."""
+        stacked = self._layer_params()
+        return tuple(
+            {name: w[i] for name, w in stacked.items()} for i in range(self.cfg.num_layers)
+        )
+
+    def _forward(self, input_ids_bt, positions_bt, attention_mask_bt, keep_kv: bool):
+        """-> (final hidden states x_btd, (k_lbtkh, v_lbtkh) if keep_kv else None)."""
         cfg = self.cfg
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
@@ -241,62 +258,83 @@ class Transformer(nnx.Module):
             positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=-1) - 1, 0)
         causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
         mask_bts = causal_ts[None] & mask_bt[:, None, :]
-        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a trace-time constant, not state
+        rope = rope_tables(cfg, positions_bt)
 
         def layer(x_btd, p):
-            q, k, v = _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq)
-            return _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts)), None
+            q, k, v = _layer_qkv(p, cfg, x_btd, rope)
+            out_btd = _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts))
+            return out_btd, ((k, v) if keep_kv else None)
 
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
-        x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
+        return jax.lax.scan(layer, x_btd, self._layer_params())
+
+    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+        x_btd, _ = self._forward(input_ids_bt, positions_bt, attention_mask_bt, keep_kv=False)
         return self._logits(x_btd)
 
-    def decode(
+    def prefill(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int):
+        """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
+        `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after)."""
+        x_btd, (k_lbtkh, v_lbtkh) = self._forward(
+            input_ids_bt, positions_bt, attention_mask_bt, keep_kv=True
+        )
+        t = input_ids_bt.shape[1]
+
+        def to_cache(kv_lbtkh):
+            dtype = self.cfg.jnp_dtype
+            kv_lbkth = jnp.swapaxes(kv_lbtkh, 2, 3).astype(dtype)
+            pad = [(0, 0), (0, 0), (0, 0), (0, cache_len - t), (0, 0)]
+            return tuple(jnp.pad(kv_lbkth, pad)[i] for i in range(self.cfg.num_layers))
+
+        logits_b1v = self._logits(x_btd[:, -1:])
+        return logits_b1v[:, 0], KVCache(to_cache(k_lbtkh), to_cache(v_lbtkh))
+
+    def decode_step(
         self,
-        input_ids_bt,
-        positions_bt,
+        layers,
+        token_b,
+        positions_b,
         kv_mask_bs,
         cache: KVCache,
-        cache_index,
-        *,
+        slot,
         attend_len: Optional[int] = None,
-        last_logits_only: bool = False,
     ):
-        """Forward `t` new tokens against the cache; returns (logits_btv, updated cache).
+        """Forward one token per row against the cache -> (logits_bv, updated cache).
 
-        The new keys/values are written into the cache carried through the layer scan with one
-        `dynamic_update_slice` each (in place; the cache is not re-stacked per layer).
+        `layers` is `self.layer_weights()`; the layers run unrolled, each writing its new
+        key/value at cache `slot` with one `dynamic_update_slice` (in place in a loop carry).
         `attend_len` (static) limits attention to cache slots [0, attend_len): the caller
-        promises that no slot past it is both written and wanted (the sampler decodes in
-        chunks so early tokens do not pay for the whole cache). `last_logits_only` returns
-        logits of the last query token only ([b, 1, v]), as a prefill needs.
+        promises no slot past it is wanted yet (the sampler decodes in segments so early tokens
+        do not pay for the whole cache).
         """
         cfg = self.cfg
-        t = input_ids_bt.shape[1]
-        s = cache.k_lbskh.shape[2] if attend_len is None else attend_len
-        slot_s = jnp.arange(s)
-        query_slot_t = cache_index + jnp.arange(t)
-        mask_bts = (slot_s[None, :] <= query_slot_t[:, None])[None] & kv_mask_bs[:, None, :s]
-        inv_freq = jnp.asarray(rope_inv_freq(cfg))  # a trace-time constant, not state
-        cache_index = jnp.asarray(cache_index, jnp.int32)
+        b = token_b.shape[0]
+        k_heads, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        s = cache.keys[0].shape[2] if attend_len is None else attend_len
+        mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot)
+        rope = rope_tables(cfg, positions_b[:, None])
+        sqrt_h = np.float32(math.sqrt(cfg.head_dim))
         zero = jnp.zeros((), jnp.int32)
+        start = (zero, zero, jnp.asarray(slot, jnp.int32), zero)
 
-        def layer(carry, xs):
-            x_btd, k_lbskh, v_lbskh = carry
-            p, i = xs
-            q, k, v = _layer_qkv(p, cfg, x_btd, positions_bt, inv_freq)
-            start = (i, zero, cache_index, zero, zero)
-            k_lbskh = jax.lax.dynamic_update_slice(k_lbskh, k[None].astype(k_lbskh.dtype), start)
-            v_lbskh = jax.lax.dynamic_update_slice(v_lbskh, v[None].astype(v_lbskh.dtype), start)
-            k_bskh = jax.lax.dynamic_index_in_dim(k_lbskh, i, 0, keepdims=False)[:, :s]
-            v_bskh = jax.lax.dynamic_index_in_dim(v_lbskh, i, 0, keepdims=False)[:, :s]
-            out = _layer_out(p, cfg, x_btd, attention(q, k_bskh, v_bskh, mask_bts))
-            return (out, k_lbskh, v_lbskh), None
-
-        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
-        xs = (self._layer_params(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        carry = (x_btd, cache.k_lbskh, cache.v_lbskh)
-        (x_btd, k_new, v_new), _ = jax.lax.scan(layer, carry, xs)
-        if last_logits_only:
-            x_btd = x_btd[:, -1:]
-        return self._logits(x_btd), KVCache(k_new, v_new)
+        x_b1d = jnp.take(self.embed[...], token_b[:, None], axis=0)
+        keys, values = [], []
+        for p, k_bksh, v_bksh in zip(layers, cache.keys, cache.values):
+            q_b1nh, k_b1kh, v_b1kh = _layer_qkv(p, cfg, x_b1d, rope)
+            k_bksh = jax.lax.dynamic_update_slice(
+                k_bksh, jnp.swapaxes(k_b1kh, 1, 2).astype(k_bksh.dtype), start
+            )
+            v_bksh = jax.lax.dynamic_update_slice(
+                v_bksh, jnp.swapaxes(v_b1kh, 1, 2).astype(v_bksh.dtype), start
+            )
+            keys.append(k_bksh)
+            values.append(v_bksh)
+            q_bkgh = q_b1nh.reshape(b, k_heads, g, cfg.head_dim)
+            scores_bkgs = jnp.einsum(
+                "bkgh,bksh->bkgs", q_bkgh, k_bksh[:, :, :s], preferred_element_type=jnp.float32
+            )
+            scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, _MASK_VALUE)
+            probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(v_bksh.dtype)
+            out_bkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgs, v_bksh[:, :, :s])
+            x_b1d = _layer_out(p, cfg, x_b1d, out_bkgh.reshape(b, 1, cfg.num_heads, -1))
+        return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
