@@ -132,7 +132,12 @@ def test_cached_decode_matches_full_forward(hf_pair):
     for t in range(prompt_len, total):
         attend_len = None if t % 2 else t + 1  # a prefix that still holds slot t
         logits, cache = step(
-            layers, jnp.asarray(ids[:, t]), jnp.asarray(positions[:, t]), kv_mask, cache, t,
+            layers,
+            jnp.asarray(ids[:, t]),
+            jnp.asarray(positions[:, t]),
+            kv_mask,
+            cache,
+            t,
             attend_len,
         )
         np.testing.assert_allclose(
