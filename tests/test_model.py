@@ -125,7 +125,8 @@ def test_cached_decode_matches_full_forward(hf_pair):
         total,
     )
     assert len(cache.keys) == model.cfg.num_layers
-    assert cache.keys[0].shape == (2, model.cfg.num_kv_heads, total, model.cfg.head_dim)
+    k, h = model.cfg.num_kv_heads, model.cfg.head_dim
+    assert cache.keys[0].shape == (2, k, h, total) and cache.values[0].shape == (2, k, total, h)
     np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
     layers = model.layer_weights()
     step = jax.jit(model.decode_step, static_argnums=6)

@@ -87,12 +87,16 @@ class TransformerConfig:
 
 
 class KVCache(NamedTuple):
-    """Keys and values, one [b, k, s, h] array per layer (separate buffers, so a decode step
-    updates and reads each layer's cache in place; kv heads before slots, so the attention
-    dots read each head's slots contiguously)."""
+    """One keys and one values array per layer (separate buffers, so a decode step updates and
+    reads each layer's cache in place). Layouts are the decode step's attention dots' natural
+    operands: keys [b, k, h, s] (q . k contracts h over contiguous slots), values [b, k, s, h]
+    (measured on XLA:CPU: 1.4x / 2.6x faster dots than [b, s, k, h] on the tiny / SmolLM2
+    shapes)."""
 
     keys: tuple[jax.Array, ...]
+    """[b, k, h, s] per layer."""
     values: tuple[jax.Array, ...]
+    """[b, k, s, h] per layer."""
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -280,14 +284,15 @@ class Transformer(nnx.Module):
         )
         t = input_ids_bt.shape[1]
 
-        def to_cache(kv_lbtkh):
-            dtype = self.cfg.jnp_dtype
-            kv_lbkth = jnp.swapaxes(kv_lbtkh, 2, 3).astype(dtype)
-            pad = [(0, 0), (0, 0), (0, 0), (0, cache_len - t), (0, 0)]
-            return tuple(jnp.pad(kv_lbkth, pad)[i] for i in range(self.cfg.num_layers))
+        def to_cache(kv_l, axes, slot_axis):
+            kv_l = jnp.transpose(kv_l, axes).astype(self.cfg.jnp_dtype)
+            pad = [(0, 0)] * kv_l.ndim
+            pad[slot_axis] = (0, cache_len - t)
+            return tuple(jnp.pad(kv_l, pad)[i] for i in range(self.cfg.num_layers))
 
-        logits_b1v = self._logits(x_btd[:, -1:])
-        return logits_b1v[:, 0], KVCache(to_cache(k_lbtkh), to_cache(v_lbtkh))
+        keys = to_cache(k_lbtkh, (0, 1, 3, 4, 2), 4)  # -> [l, b, k, h, s]
+        values = to_cache(v_lbtkh, (0, 1, 3, 2, 4), 3)  # -> [l, b, k, s, h]
+        return self._logits(x_btd[:, -1:])[:, 0], KVCache(keys, values)
 
     def decode_step(
         self,
@@ -310,28 +315,25 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         b = token_b.shape[0]
         k_heads, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        s = cache.keys[0].shape[2] if attend_len is None else attend_len
+        s = cache.keys[0].shape[3] if attend_len is None else attend_len
         mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot)
         rope = rope_tables(cfg, positions_b[:, None])
         sqrt_h = np.float32(math.sqrt(cfg.head_dim))
-        zero = jnp.zeros((), jnp.int32)
-        start = (zero, zero, jnp.asarray(slot, jnp.int32), zero)
+        zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
 
         x_b1d = jnp.take(self.embed[...], token_b[:, None], axis=0)
         keys, values = [], []
-        for p, k_bksh, v_bksh in zip(layers, cache.keys, cache.values):
+        for p, k_bkhs, v_bksh in zip(layers, cache.keys, cache.values):
             q_b1nh, k_b1kh, v_b1kh = _layer_qkv(p, cfg, x_b1d, rope)
-            k_bksh = jax.lax.dynamic_update_slice(
-                k_bksh, jnp.swapaxes(k_b1kh, 1, 2).astype(k_bksh.dtype), start
-            )
-            v_bksh = jax.lax.dynamic_update_slice(
-                v_bksh, jnp.swapaxes(v_b1kh, 1, 2).astype(v_bksh.dtype), start
-            )
-            keys.append(k_bksh)
+            k_bkh1 = jnp.transpose(k_b1kh, (0, 2, 3, 1)).astype(k_bkhs.dtype)
+            k_bkhs = jax.lax.dynamic_update_slice(k_bkhs, k_bkh1, (zero, zero, zero, slot))
+            v_bk1h = jnp.swapaxes(v_b1kh, 1, 2).astype(v_bksh.dtype)
+            v_bksh = jax.lax.dynamic_update_slice(v_bksh, v_bk1h, (zero, zero, slot, zero))
+            keys.append(k_bkhs)
             values.append(v_bksh)
             q_bkgh = q_b1nh.reshape(b, k_heads, g, cfg.head_dim)
             scores_bkgs = jnp.einsum(
-                "bkgh,bksh->bkgs", q_bkgh, k_bksh[:, :, :s], preferred_element_type=jnp.float32
+                "bkgh,bkhs->bkgs", q_bkgh, k_bkhs[..., :s], preferred_element_type=jnp.float32
             )
             scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, _MASK_VALUE)
             probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(v_bksh.dtype)
