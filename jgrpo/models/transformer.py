@@ -163,11 +163,33 @@ def _dense(x, w, b=None):
     return y if b is None else y + b
 
 
+def _fuse_layer_params(p, cfg):
+    """Inference layout of (stacked or one layer's) params: q|k|v and gate|up concatenated
+    on the output axis, so each is one dot instead of three / two."""
+    p = dict(p)
+    qkv = [p.pop(name) for name in ("q", "k", "v")]
+    lead = qkv[0].shape[:-2]  # (l, d) or (d,)
+    p["qkv"] = jnp.concatenate([w.reshape(lead + (-1,)) for w in qkv], axis=-1)
+    if cfg.attention_bias:
+        biases = [p.pop(name) for name in ("q_bias", "k_bias", "v_bias")]
+        p["qkv_bias"] = jnp.concatenate([b.reshape(lead[:-1] + (-1,)) for b in biases], -1)
+    p["gate_up"] = jnp.concatenate([p.pop("gate"), p.pop("up")], axis=-1)
+    return p
+
+
 def _layer_qkv(p, cfg, x_btd, rope):
     h_btd = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
-    q = _dense(h_btd, p["q"], p.get("q_bias"))
-    k = _dense(h_btd, p["k"], p.get("k_bias"))
-    v = _dense(h_btd, p["v"], p.get("v_bias"))
+    if "qkv" in p:  # fused (inference) layout
+        b, t = x_btd.shape[:2]
+        qkv = _dense(h_btd, p["qkv"], p.get("qkv_bias"))
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = jnp.split(qkv, (n * h, (n + k) * h), axis=-1)
+        kv_shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = q.reshape(b, t, cfg.num_heads, -1), k.reshape(kv_shape), v.reshape(kv_shape)
+    else:
+        q = _dense(h_btd, p["q"], p.get("q_bias"))
+        k = _dense(h_btd, p["k"], p.get("k_bias"))
+        v = _dense(h_btd, p["v"], p.get("v_bias"))
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -177,8 +199,11 @@ def _layer_qkv(p, cfg, x_btd, rope):
 def _layer_out(p, cfg, x_btd, attn_btnh):
     x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_btf = jax.nn.silu(_dense(h_btd, p["gate"]))
-    up_btf = _dense(h_btd, p["up"])
+    if "gate_up" in p:  # fused (inference) layout
+        gate_btf, up_btf = jnp.split(_dense(h_btd, p["gate_up"]), 2, axis=-1)
+    else:
+        gate_btf, up_btf = _dense(h_btd, p["gate"]), _dense(h_btd, p["up"])
+    gate_btf = jax.nn.silu(gate_btf)
     return x_btd + jnp.einsum("btf,fd->btd", gate_btf * up_btf, p["down"])
 
 
@@ -243,16 +268,22 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head[...]
         return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
 
-    def layer_weights(self) -> tuple[dict, ...]:
-        """Each layer's parameters as its own arrays (a copy of the stacked layer weights when
-        called under jit): what `decode_step` runs on. Take it once, outside a decode loop."""
-        stacked = self._layer_params()
+    def inference_weights(self) -> dict:
+        """The stacked layer weights in inference layout: q|k|v and gate|up concatenated on
+        their output axis (one dot each instead of three and two). A copy when called under
+        jit, as the sampler does once per generate call, for `prefill` and `layer_weights`."""
+        return _fuse_layer_params(self._layer_params(), self.cfg)
+
+    def layer_weights(self, stacked: dict) -> tuple[dict, ...]:
+        """Each layer's slice of `stacked` (`inference_weights()`) as its own arrays: what
+        `decode_step` runs on. Take it once, outside a decode loop."""
         return tuple(
             {name: w[i] for name, w in stacked.items()} for i in range(self.cfg.num_layers)
         )
 
-    def _forward(self, input_ids_bt, positions_bt, attention_mask_bt, keep_kv: bool):
-        """-> (final hidden states x_btd, (k_lbtkh, v_lbtkh) if keep_kv else None)."""
+    def _forward(self, input_ids_bt, positions_bt, attention_mask_bt, keep_kv, stacked=None):
+        """-> (final hidden states x_btd, (k_lbtkh, v_lbtkh) if keep_kv else None); `stacked`
+        layer weights default to the parameters themselves."""
         cfg = self.cfg
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
@@ -270,17 +301,19 @@ class Transformer(nnx.Module):
             return out_btd, ((k, v) if keep_kv else None)
 
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
-        return jax.lax.scan(layer, x_btd, self._layer_params())
+        stacked = self._layer_params() if stacked is None else stacked
+        return jax.lax.scan(layer, x_btd, stacked)
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
         x_btd, _ = self._forward(input_ids_bt, positions_bt, attention_mask_bt, keep_kv=False)
         return self._logits(x_btd)
 
-    def prefill(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int):
+    def prefill(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, stacked=None):
         """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
-        `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after)."""
+        `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after).
+        `stacked`: `inference_weights()` when the caller has them (default: the parameters)."""
         x_btd, (k_lbtkh, v_lbtkh) = self._forward(
-            input_ids_bt, positions_bt, attention_mask_bt, keep_kv=True
+            input_ids_bt, positions_bt, attention_mask_bt, keep_kv=True, stacked=stacked
         )
         t = input_ids_bt.shape[1]
 
