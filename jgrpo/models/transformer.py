@@ -149,12 +149,14 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts):
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    scores_bkgts = jnp.einsum(
-        "btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32
+    # [b, k, t, g, s]: the dot's natural output order (batch, lhs free, rhs free), so no
+    # transpose is materialised before the mask and softmax (measured: 20% of a CPU prefill)
+    scores_bktgs = jnp.einsum(
+        "btkgh,bskh->bktgs", q_btkgh, k_bskh, preferred_element_type=jnp.float32
     ) / np.float32(math.sqrt(h))
-    scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh)
+    scores_bktgs = jnp.where(mask_bts[:, None, :, None], scores_bktgs, _MASK_VALUE)
+    probs_bktgs = jax.nn.softmax(scores_bktgs, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bktgs,bskh->btkgh", probs_bktgs, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
 
 
