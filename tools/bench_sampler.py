@@ -8,14 +8,17 @@ the same cores); jgrpo runs on JAX's default backend (say which below).
 
 Reported per side: medians over `--repeats` timed calls after one warm-up call (whose extra time
 is reported as compile time), tokens/s = B * N / median, prefill time (an N = 1 call: prefill +
-one sample) and decode time per token = (t(N) - t(1)) / (N - 1).
+one sample) and decode time per token = (t(N) - t(1)) / (N - 1). The timed calls of both sides
+are interleaved in rounds (jgrpo N, transformers N, jgrpo 1, transformers 1; an untimed call
+then 3 timed calls each), so slow drift on a noisy machine hits both sides alike instead of
+skewing the ratio.
 
 Configs: A = tiny random Qwen2 (d 64, 2 layers, 4 heads, 2 kv heads, vocab 100), 16 rows x
 32-token prompts, 32 new tokens; B = SmolLM2-135M (16 rows x 32-token prompts, 64 new tokens)
 when `jgrpo.models.sources.resolve_model_path("smollm2")` is available.
 
-    python tools/bench_sampler.py            # A and B, 5 repeats
-    python tools/bench_sampler.py --quick    # A only, 2 repeats
+    python tools/bench_sampler.py            # A (7 rounds) and B (2 rounds)
+    python tools/bench_sampler.py --quick    # A only, 3 rounds
 """
 
 from __future__ import annotations
@@ -61,17 +64,25 @@ def tiny_hf_model(folder):
     model.save_pretrained(folder)
 
 
-def timed(fn, repeats):
-    """-> (first call seconds, median of `repeats` further calls, last result)."""
-    start = time.perf_counter()
-    out = fn()
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
+def timed_round_robin(fns, repeats, block=3):
+    """fns: {name: callable} -> {name: (first call s, median of timed calls s, result)}.
+
+    After each one's first call, `repeats` rounds go over all of them; in a round each gets one
+    untimed call (the other side's threads may still hold the cores just after a switch) and
+    then `block` timed calls. Slow drift on a shared machine hits both sides alike."""
+    first, times, out = {}, {name: [] for name in fns}, {}
+    for name, fn in fns.items():
         start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times), out
+        out[name] = fn()
+        first[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(block):
+                start = time.perf_counter()
+                out[name] = fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: (first[name], statistics.median(times[name]), out[name]) for name in fns}
 
 
 def bench(name, folder, batch, prompt_len, new_tokens, repeats, temperature, vocab_hi):
@@ -107,10 +118,13 @@ def bench(name, folder, batch, prompt_len, new_tokens, repeats, temperature, voc
 
         return run
 
+    sides = (("jgrpo", ours), ("transformers", theirs))
+    fns = {(side, n): make(n) for n in (new_tokens, 1) for side, make in sides}
+    timings = timed_round_robin(fns, repeats)
     rows = {}
-    for side, make in (("jgrpo", ours), ("transformers", theirs)):
-        first, full, out = timed(make(new_tokens), repeats)
-        first1, prefill, _ = timed(make(1), repeats)
+    for side, _ in sides:
+        first, full, out = timings[side, new_tokens]
+        first1, prefill, _ = timings[side, 1]
         rows[side] = dict(
             tok_s=batch * new_tokens / full,
             full=full,
@@ -149,13 +163,13 @@ def bench(name, folder, batch, prompt_len, new_tokens, repeats, temperature, voc
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="config A only, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="config A only, 3 rounds")
     parser.add_argument("--config", choices=["A", "B", "all"], default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     args = parser.parse_args(argv)
     config = args.config or ("A" if args.quick else "all")
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(THREADS)
 
     if config in ("A", "all"):
@@ -170,7 +184,7 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - any failure means "not available here"
             print(f"\n== B SmolLM2-135M: skipped ({type(e).__name__}: {e})")
             return
-        bench("B SmolLM2-135M", folder, 16, 32, 64, max(2, repeats // 2), args.temperature, 5000)
+        bench("B SmolLM2-135M", folder, 16, 32, 64, max(1, repeats // 3), args.temperature, 5000)
 
 
 if __name__ == "__main__":
