@@ -166,15 +166,16 @@ def _dense(x, w, b=None):
 
 
 def _fuse_layer_params(p, cfg):
-    """Inference layout of (stacked or one layer's) params: q|k|v and gate|up concatenated
-    on the output axis, so each is one dot instead of three / two."""
+    """Inference layout of stacked params: q|k|v and gate|up concatenated on the output axis
+    (one dot each instead of three and two), o flattened to [l, n * h, d] (a single contracting
+    axis: with two, XLA:CPU transposed both operands of every decode step's o dot)."""
     p = dict(p)
-    qkv = [p.pop(name) for name in ("q", "k", "v")]
-    lead = qkv[0].shape[:-2]  # (l, d) or (d,)
-    p["qkv"] = jnp.concatenate([w.reshape(lead + (-1,)) for w in qkv], axis=-1)
+    p["o"] = p["o"].reshape(p["o"].shape[0], -1, p["o"].shape[-1])
+    l, d = p["q"].shape[:2]
+    p["qkv"] = jnp.concatenate([p.pop(name).reshape(l, d, -1) for name in "qkv"], axis=-1)
     if cfg.attention_bias:
-        biases = [p.pop(name) for name in ("q_bias", "k_bias", "v_bias")]
-        p["qkv_bias"] = jnp.concatenate([b.reshape(lead[:-1] + (-1,)) for b in biases], -1)
+        biases = [p.pop(f"{name}_bias").reshape(l, -1) for name in "qkv"]
+        p["qkv_bias"] = jnp.concatenate(biases, axis=-1)
     p["gate_up"] = jnp.concatenate([p.pop("gate"), p.pop("up")], axis=-1)
     return p
 
@@ -199,7 +200,11 @@ def _layer_qkv(p, cfg, x_btd, rope):
 
 
 def _layer_out(p, cfg, x_btd, attn_btnh):
-    x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
+    if "qkv" in p:  # fused (inference) layout: o is [n * h, d]
+        b, t = attn_btnh.shape[:2]
+        x_btd = x_btd + jnp.einsum("btx,xd->btd", attn_btnh.reshape(b, t, -1), p["o"])
+    else:
+        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     if "gate_up" in p:  # fused (inference) layout
         gate_btf, up_btf = jnp.split(_dense(h_btd, p["gate_up"]), 2, axis=-1)
