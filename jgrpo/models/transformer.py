@@ -129,18 +129,18 @@ def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
 
 
 def rope_tables(cfg: TransformerConfig, positions_bt):
-    """(cos, sin) [b, t, 1, h] in float32 for `apply_rope`: computed once per forward, shared by
-    every layer."""
+    """(cos, sin) [b, t, 1, h/2] in float32 for `apply_rope`: computed once per forward, shared
+    by every layer (HF's tables repeat these for the two halves of head_dim)."""
     freqs_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
-    emb_bth = jnp.concatenate([freqs_bth2, freqs_bth2], axis=-1)
-    return jnp.cos(emb_bth)[:, :, None, :], jnp.sin(emb_bth)[:, :, None, :]
+    return jnp.cos(freqs_bth2)[:, :, None, :], jnp.sin(freqs_bth2)[:, :, None, :]
 
 
 def apply_rope(x_btnh, cos, sin):
-    """Rotate-half RoPE (HF layout: the two halves of head_dim pair up)."""
-    x1, x2 = jnp.split(x_btnh, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x_btnh.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    """Rotate-half RoPE (HF layout: the two halves of head_dim pair up): the same float32
+    products and sums as HF's `x * cos + rotate_half(x) * sin`, written per half (one
+    concatenate of results instead of building rotate_half(x): a third of a CPU prefill)."""
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_btnh.dtype)
 
 
