@@ -128,11 +128,23 @@ def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_tables(cfg: TransformerConfig, positions_bt):
-    """(cos, sin) [b, t, 1, h/2] in float32 for `apply_rope`: computed once per forward, shared
-    by every layer (HF's tables repeat these for the two halves of head_dim)."""
-    freqs_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
-    return jnp.cos(freqs_bth2)[:, :, None, :], jnp.sin(freqs_bth2)[:, :, None, :]
+def rope_tables(cfg: TransformerConfig, positions_bt, num_positions: Optional[int] = None):
+    """(cos, sin) [b, t, 1, h/2] in float32 for `apply_rope` (HF's tables repeat these for the
+    two halves of head_dim), of the float32 angle `position * inv_freq` as transformers forms it.
+
+    With `num_positions` (every position < it), they are looked up in tables computed in NumPy
+    at trace time (float64 cos/sin rounded once): compile-time constants that cost nothing at
+    run time, where XLA:CPU otherwise re-evaluates cos/sin inside every fusion that uses them,
+    once per head (a third of a CPU prefill). Without it, computed at run time."""
+    inv_freq_h2 = rope_inv_freq(cfg)
+    if num_positions is None:
+        angle_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_h2)
+        return jnp.cos(angle_bth2)[:, :, None, :], jnp.sin(angle_bth2)[:, :, None, :]
+    angle_ph2 = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_h2[None]
+    angle_ph2 = angle_ph2.astype(np.float64)
+    cos_ph2 = jnp.asarray(np.cos(angle_ph2).astype(np.float32))
+    sin_ph2 = jnp.asarray(np.sin(angle_ph2).astype(np.float32))
+    return cos_ph2[positions_bt][:, :, None, :], sin_ph2[positions_bt][:, :, None, :]
 
 
 def apply_rope(x_btnh, cos, sin):
@@ -288,16 +300,22 @@ class Transformer(nnx.Module):
             {name: w[i] for name, w in stacked.items()} for i in range(self.cfg.num_layers)
         )
 
-    def _attention_inputs(self, input_ids_bt, positions_bt, attention_mask_bt):
-        """-> (mask_bts: causal & key padding, RoPE tables) for a forward over t tokens."""
+    def _attention_inputs(
+        self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None
+    ):
+        """-> (mask_bts: causal & key padding, RoPE tables) for a forward over t tokens; given
+        positions are < `positions_below` when it is known (see `rope_tables`)."""
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
             attention_mask_bt = jnp.ones((b, t), jnp.bool_)
         mask_bt = attention_mask_bt.astype(jnp.bool_)
         if positions_bt is None:
             positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=-1) - 1, 0)
+            rope = rope_tables(self.cfg, positions_bt, num_positions=t)
+        else:
+            rope = rope_tables(self.cfg, positions_bt, num_positions=positions_below)
         causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        return causal_ts[None] & mask_bt[:, None, :], rope_tables(self.cfg, positions_bt)
+        return causal_ts[None] & mask_bt[:, None, :], rope
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
         cfg = self.cfg
@@ -314,7 +332,8 @@ class Transformer(nnx.Module):
     def prefill(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, stacked=None):
         """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
         `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after).
-        `stacked`: `inference_weights()` when the caller has them (default: the parameters).
+        Positions must be < t (as `cumsum(mask) - 1` of a padded batch is). `stacked`:
+        `inference_weights()` when the caller has them (default: the parameters).
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
@@ -322,7 +341,10 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         stacked = self._layer_params() if stacked is None else stacked
-        mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+        t = input_ids_bt.shape[1]
+        mask_bts, rope = self._attention_inputs(
+            input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
+        )
 
         def layer(x_btd, i):
             p = {name: w[i] for name, w in stacked.items()}  # the slice scan's xs would take
@@ -361,8 +383,9 @@ class Transformer(nnx.Module):
     ):
         """Forward one token per row against the cache -> (logits_bv, updated cache).
 
-        `layers` is `self.layer_weights()`; the layers run unrolled, each writing its new
-        key/value at cache `slot` with one `dynamic_update_slice` (in place in a loop carry).
+        `layers` is `self.layer_weights(stacked)`; the layers run unrolled, each writing its
+        new key/value at cache `slot` with one `dynamic_update_slice` (in place in a loop
+        carry). Positions must be < the number of cache slots (a token's slot bounds it).
         `attend_len` (static) limits attention to cache slots [0, attend_len): the caller
         promises no slot past it is wanted yet (the sampler decodes in segments so early tokens
         do not pay for the whole cache).
@@ -372,7 +395,7 @@ class Transformer(nnx.Module):
         k_heads, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         s = cache.keys[0].shape[3] if attend_len is None else attend_len
         mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot)
-        rope = rope_tables(cfg, positions_b[:, None])
+        rope = rope_tables(cfg, positions_b[:, None], num_positions=kv_mask_bs.shape[1])
         sqrt_h = np.float32(math.sqrt(cfg.head_dim))
         zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
 
