@@ -6,12 +6,12 @@ transformers `min_new_tokens=N`) so each generates exactly N tokens per row. tra
 PyTorch on CPU in float32 with as many threads as this process may use (XLA's CPU client uses
 the same cores); jgrpo runs on JAX's default backend (say which below).
 
-Reported per side: medians over `--repeats` timed calls after one warm-up call (whose extra time
-is reported as compile time), tokens/s = B * N / median, prefill time (an N = 1 call: prefill +
+Reported per side: medians of the timed calls after one first call (whose extra time is
+reported as compile time), tokens/s = B * N / median, prefill time (an N = 1 call: prefill +
 one sample) and decode time per token = (t(N) - t(1)) / (N - 1). The timed calls of both sides
-are interleaved in rounds (jgrpo N, transformers N, jgrpo 1, transformers 1; an untimed call
-then 3 timed calls each), so slow drift on a noisy machine hits both sides alike instead of
-skewing the ratio.
+are interleaved in `--rounds` rounds (jgrpo N, transformers N, jgrpo 1, transformers 1; in a
+round each gets untimed warm calls, then timed calls: 3 + 10 on A, 1 + 2 on B), so slow drift
+on a noisy machine hits both sides alike instead of skewing the ratio.
 
 Configs: A = tiny random Qwen2 (d 64, 2 layers, 4 heads, 2 kv heads, vocab 100), 16 rows x
 32-token prompts, 32 new tokens; B = SmolLM2-135M (16 rows x 32-token prompts, 64 new tokens)
@@ -64,20 +64,22 @@ def tiny_hf_model(folder):
     model.save_pretrained(folder)
 
 
-def timed_round_robin(fns, repeats, block=3):
+def timed_round_robin(fns, rounds, block, warm):
     """fns: {name: callable} -> {name: (first call s, median of timed calls s, result)}.
 
-    After each one's first call, `repeats` rounds go over all of them; in a round each gets one
-    untimed call (the other side's threads may still hold the cores just after a switch) and
-    then `block` timed calls. Slow drift on a shared machine hits both sides alike."""
+    After each one's first call, `rounds` rounds go over all of them; in a round each gets
+    `warm` untimed calls (just after a switch the other side's threads still spin on the cores
+    and its data fills the caches: measured, one warm call leaves jgrpo ~10% slow on 2 cores)
+    and then `block` timed calls. Slow drift on a shared machine hits both sides alike."""
     first, times, out = {}, {name: [] for name in fns}, {}
     for name, fn in fns.items():
         start = time.perf_counter()
         out[name] = fn()
         first[name] = time.perf_counter() - start
-    for _ in range(repeats):
+    for _ in range(rounds):
         for name, fn in fns.items():
-            fn()
+            for _ in range(warm):
+                fn()
             for _ in range(block):
                 start = time.perf_counter()
                 out[name] = fn()
@@ -85,7 +87,7 @@ def timed_round_robin(fns, repeats, block=3):
     return {name: (first[name], statistics.median(times[name]), out[name]) for name in fns}
 
 
-def bench(name, folder, batch, prompt_len, new_tokens, repeats, temperature, vocab_hi):
+def bench(name, folder, batch, prompt_len, new_tokens, rounds, temperature, vocab_hi, block, warm):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(2, vocab_hi, prompt_len).tolist() for _ in range(batch)]
     model = from_pretrained(folder)
@@ -120,7 +122,7 @@ def bench(name, folder, batch, prompt_len, new_tokens, repeats, temperature, voc
 
     sides = (("jgrpo", ours), ("transformers", theirs))
     fns = {(side, n): make(n) for n in (new_tokens, 1) for side, make in sides}
-    timings = timed_round_robin(fns, repeats)
+    timings = timed_round_robin(fns, rounds, block, warm)
     rows = {}
     for side, _ in sides:
         first, full, out = timings[side, new_tokens]
@@ -165,17 +167,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="config A only, 3 rounds")
     parser.add_argument("--config", choices=["A", "B", "all"], default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     args = parser.parse_args(argv)
     config = args.config or ("A" if args.quick else "all")
-    repeats = args.repeats or (3 if args.quick else 7)
+    rounds = args.rounds or (3 if args.quick else 7)
     torch.set_num_threads(THREADS)
 
     if config in ("A", "all"):
         with tempfile.TemporaryDirectory() as folder:
             tiny_hf_model(folder)
-            bench("A tiny qwen2", folder, 16, 32, 32, repeats, args.temperature, 100)
+            bench("A tiny qwen2", folder, 16, 32, 32, rounds, args.temperature, 100, 10, 3)
     if config in ("B", "all"):
         try:
             from jgrpo.models.sources import resolve_model_path
@@ -184,7 +186,8 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - any failure means "not available here"
             print(f"\n== B SmolLM2-135M: skipped ({type(e).__name__}: {e})")
             return
-        bench("B SmolLM2-135M", folder, 16, 32, 64, max(1, repeats // 3), args.temperature, 5000)
+        rounds_b = max(1, rounds // 3)
+        bench("B SmolLM2-135M", folder, 16, 32, 64, rounds_b, args.temperature, 5000, 2, 1)
 
 
 if __name__ == "__main__":
