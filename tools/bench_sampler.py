@@ -93,11 +93,13 @@ def bench(name, folder, batch, prompt_len, new_tokens, rounds, temperature, voca
     model = from_pretrained(folder)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
+    key = jax.random.key(0)  # an input like the prompts: made once
+
     def ours(n):
         params = SamplingParams(
             max_new_tokens=n, temperature=temperature, ignore_eos=True, prompt_bucket=prompt_len
         )
-        return lambda: generate(model, prompts, params, jax.random.key(0))
+        return lambda: generate(model, prompts, params, key)
 
     ids = torch.tensor(prompts)
     mask = torch.ones_like(ids)
