@@ -1,6 +1,8 @@
 """The sampler: greedy parity with transformers' generate, trainer-forward logprob parity,
 filtering, stopping, early exit, determinism, compile count and sharded parameters."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jgrpo.config import RolloutConfig
 from jgrpo.models import from_pretrained
-from jgrpo.sampling import SamplingParams, compile_count, filter_logits, generate
+from jgrpo.sampling import (
+    SamplingParams,
+    compile_count,
+    filter_logits,
+    generate,
+    gumbel_noise,
+)
 
 VOCAB, PAD, EOS = 128, 0, 1
 
@@ -189,6 +197,17 @@ def reference_filter(x, top_p, top_k):
     return x
 
 
+@pytest.mark.parametrize("v", [1, 7, 100, 4099])
+def test_gumbel_noise_is_jax_random_gumbel(v):
+    """The sampler's written-out threefry gives jax.random.gumbel's bits exactly, per row key."""
+    keys = jax.random.split(jax.random.key(1234), 6)
+    ref = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    out = jax.jit(gumbel_noise, static_argnums=1)(keys, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(ValueError, match="threefry2x32"):
+        gumbel_noise(jax.random.split(jax.random.key(0, impl="rbg"), 2), v)
+
+
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize(
     "top_p,top_k", [(1.0, None), (0.7, None), (0.95, None), (0.01, None), (1.0, 5), (0.6, 10)]
@@ -306,7 +325,7 @@ def test_compile_count_per_bucket(pair):
     before = compile_count()
     for i, lengths in enumerate([[3, 5, 2, 8], [8, 1, 1, 1], [6, 7, 4, 2]]):
         params = SamplingParams(
-            max_new_tokens=n, temperature=0.5 + 0.2 * i, top_p=[1.0, 0.9, 0.95][i], prompt_bucket=8
+            max_new_tokens=n, temperature=0.5 + 0.2 * i, top_p=[0.8, 0.9, 0.95][i], prompt_bucket=8
         )
         split = nnx.split(model) if i == 2 else model  # (graphdef, state) shares the compile
         generate(split, make_prompts(lengths, seed=i), params, jax.random.key(i))
@@ -315,6 +334,11 @@ def test_compile_count_per_bucket(pair):
     assert compile_count() == before + 2
     generate(model, make_prompts([9, 2, 3]), params, jax.random.key(0))  # new batch size
     assert compile_count() == before + 3
+    # modes are programs: no nucleus filter (top_p = 1), greedy (temperature = 0)
+    for mode in (dict(top_p=1.0), dict(temperature=0.0), dict(temperature=0.0, top_p=0.5)):
+        mode_params = dataclasses.replace(params, **mode)
+        generate(model, make_prompts([9, 2, 3]), mode_params, jax.random.key(0))
+    assert compile_count() == before + 5  # greedy ignores top_p
 
 
 def test_from_rollout_config():

@@ -415,7 +415,9 @@ class Transformer(nnx.Module):
             )
             scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, _MASK_VALUE)
             exp_bkgs = jnp.exp(scores_bkgs - jnp.max(scores_bkgs, axis=-1, keepdims=True))
-            out_bkgh = jnp.einsum("bkgs,bksh->bkgh", exp_bkgs.astype(v_bksh.dtype), v_bksh[:, :, :s])
+            out_bkgh = jnp.einsum(
+                "bkgs,bksh->bkgh", exp_bkgs.astype(v_bksh.dtype), v_bksh[:, :, :s]
+            )
             out_bkgh = out_bkgh / jnp.sum(exp_bkgs, axis=-1, keepdims=True).astype(out_bkgh.dtype)
             x_b1d = _layer_out(p, cfg, x_b1d, out_bkgh.reshape(b, 1, cfg.num_heads, -1))
         return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
