@@ -90,8 +90,8 @@ class KVCache(NamedTuple):
     """One keys and one values array per layer (separate buffers, so a decode step updates and
     reads each layer's cache in place). Layouts are the decode step's attention dots' natural
     operands: keys [b, k, h, s] (q . k contracts h over contiguous slots), values [b, k, s, h]
-    (measured on XLA:CPU: 1.4x / 2.6x faster dots than [b, s, k, h] on the tiny / SmolLM2
-    shapes)."""
+    (on XLA:CPU the q . k dot over [b, s, k, h] keys measured 2.2x / 4.9x slower on the tiny /
+    SmolLM2 shapes)."""
 
     keys: tuple[jax.Array, ...]
     """[b, k, h, s] per layer."""
@@ -135,7 +135,8 @@ def rope_tables(cfg: TransformerConfig, positions_bt, num_positions: Optional[in
     With `num_positions` (every position < it), they are looked up in tables computed in NumPy
     at trace time (float64 cos/sin rounded once): compile-time constants that cost nothing at
     run time, where XLA:CPU otherwise re-evaluates cos/sin inside every fusion that uses them,
-    once per head (a third of a CPU prefill). Without it, computed at run time."""
+    once per head (a quarter of the tiny benchmark's prefill). Without it, computed at run
+    time."""
     inv_freq_h2 = rope_inv_freq(cfg)
     if num_positions is None:
         angle_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_h2)
@@ -150,7 +151,7 @@ def rope_tables(cfg: TransformerConfig, positions_bt, num_positions: Optional[in
 def apply_rope(x_btnh, cos, sin):
     """Rotate-half RoPE (HF layout: the two halves of head_dim pair up): the same float32
     products and sums as HF's `x * cos + rotate_half(x) * sin`, written per half (one
-    concatenate of results instead of building rotate_half(x): a third of a CPU prefill)."""
+    concatenate of results instead of building rotate_half(x): ~12% of a CPU prefill)."""
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_btnh.dtype)
@@ -162,7 +163,7 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts):
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     # [b, k, t, g, s]: the dot's natural output order (batch, lhs free, rhs free), so no
-    # transpose is materialised before the mask and softmax (measured: 20% of a CPU prefill)
+    # transpose needs materialising before the mask and softmax
     scores_bktgs = jnp.einsum(
         "btkgh,bskh->bktgs", q_btkgh, k_bskh, preferred_element_type=jnp.float32
     ) / np.float32(math.sqrt(h))
@@ -196,9 +197,9 @@ def _layer_qkv(p, cfg, x_btd, rope):
     h_btd = rms_norm(x_btd, p["attn_norm"], cfg.rms_norm_eps)
     if "qkv" in p:  # fused (inference) layout
         b, t = x_btd.shape[:2]
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = _dense(h_btd, p["qkv"], p.get("qkv_bias"))
-        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = jnp.split(qkv, (n * h, (n + k) * h), axis=-1)
+        q, k, v = jnp.split(qkv, (q_size, q_size + kv_size), axis=-1)
         kv_shape = (b, t, cfg.num_kv_heads, cfg.head_dim)
         q, k, v = q.reshape(b, t, cfg.num_heads, -1), k.reshape(kv_shape), v.reshape(kv_shape)
     else:
@@ -337,7 +338,7 @@ class Transformer(nnx.Module):
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
-        the last position only (on the tiny benchmark model a fifth of the prefill).
+        the last position only (~15% of the tiny benchmark's prefill).
         """
         cfg = self.cfg
         stacked = self._layer_params() if stacked is None else stacked
@@ -358,7 +359,6 @@ class Transformer(nnx.Module):
         q, k, v = _layer_qkv(p, cfg, x_btd, rope)
         attn_b1nh = attention(q[:, -1:], k, v, mask_bts[:, -1:])
         x_b1d = _layer_out(p, cfg, x_btd[:, -1:], attn_b1nh)
-        t = input_ids_bt.shape[1]
 
         def to_cache(kv_l, kv_last, axes, slot_axis):
             kv_l = jnp.concatenate([kv_l, kv_last[None]])
