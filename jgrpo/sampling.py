@@ -16,20 +16,19 @@ What one `generate` call does: prompts are left-padded to P = ceil(max len / pro
 prompt_bucket; the jitted core takes the model as a pytree argument (an NNX module flattens to
 its parameter arrays in ~15 us, 10x cheaper than `nnx.split`; a (graphdef, state) pair is merged
 first: the trainer's own parameter arrays, sharded or not: nothing is copied to switch from
-training to generating),
-takes the layer weights in inference layout once (`Transformer.inference_weights`: q|k|v and
-gate|up fused, one slice per layer for the unrolled decode step; a transient copy of the layer
-weights for the duration of the call, like the KV cache), prefills the P prompt slots of a cache
-of P + N - 1 slots (rounded up to a multiple of 16) in one forward (logits of the last position
-only), samples token 0, then runs `lax.while_loop` decode steps: forward the previous token into
-its cache slot, sample the next. The loop exits as soon as every row has stopped, so
-`num_decode_steps` is max(lengths) - 1 when every row stops, N - 1 otherwise. Nothing returns
-to the host per token. The cache lives only inside the program: the while-loop carry is updated
-in place by XLA (`Transformer.decode_step` writes one slot per layer with
-dynamic_update_slice), so there is no donation to arrange. The decode loop is split into
-segments of `attention_chunk` steps (at most 8 segments), each a while loop whose attention
-reads only the cache slots that can be filled by then (P + end of segment, rounded up to 16)
-instead of the whole cache.
+training to generating), takes the layer weights in inference layout once
+(`Transformer.layer_weights`: q|k|v and gate|up fused, one set of arrays per layer for the
+unrolled decode step; a transient copy of the layer weights for the duration of the call, like
+the KV cache), prefills the P prompt slots of a cache of P + N - 1 slots (rounded up to a
+multiple of 16) in one forward (logits of the last position only), samples token 0, then runs
+`lax.while_loop` decode steps: forward the previous token into its cache slot, sample the next.
+The loop exits as soon as every row has stopped, so `num_decode_steps` is max(lengths) - 1 when
+every row stops, N - 1 otherwise. Nothing returns to the host per token. The cache lives only
+inside the program: the while-loop carry is updated in place by XLA
+(`Transformer.decode_step` writes one slot per layer with dynamic_update_slice), so there is no
+donation to arrange. The decode loop is split into segments of `attention_chunk` steps (at most
+8 segments), each a while loop whose attention reads only the cache slots that can be filled by
+then (P + end of segment, rounded up to 16) instead of the whole cache.
 
 Token i of row b sits at cache slot P + i and position prompt_len_b + i (left padding: the
 prompt fills slots [P - prompt_len_b, P)); the trainer's forward over the left-padded prompt +
@@ -348,9 +347,9 @@ def _generate_padded(
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=-1) - 1, 0)
     cache_len = _round_up(p + n - 1, _SLOT_ALIGN)  # slots past p + n - 2 are never written
     kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, cache_len - p), jnp.bool_)], -1)
-    stacked = model.inference_weights()  # once per call (fused q|k|v, gate|up)
+    layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
     logits_bv, cache = model.prefill(
-        prompt_ids_bp, positions_bp, prompt_mask_bp, cache_len, stacked
+        prompt_ids_bp, positions_bp, prompt_mask_bp, cache_len, last_layer=layers[-1]
     )
 
     if spec.greedy:
@@ -396,7 +395,6 @@ def _generate_padded(
     )
     out, token_b = emit(0, logits_bv, out)
     i = jnp.asarray(1, jnp.int32)
-    layers = model.layer_weights(stacked) if n > 1 else ()  # once per call, not per token
 
     for _, end in _segments(n, spec.attention_chunk):
         # slots written by the segment's last step, rounded up (unwritten slots are masked)

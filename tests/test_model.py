@@ -126,13 +126,12 @@ def test_cached_decode_matches_full_forward(hf_pair):
         jnp.asarray(positions[:, :prompt_len]),
         kv_mask[:, :prompt_len],
         total,
-        model.inference_weights(),
     )
     assert len(cache.keys) == model.cfg.num_layers
     k, h = model.cfg.num_kv_heads, model.cfg.head_dim
     assert cache.keys[0].shape == (2, k, h, total) and cache.values[0].shape == (2, k, total, h)
     np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
-    layers = model.layer_weights(model.inference_weights())
+    layers = model.layer_weights()
     step = jax.jit(model.decode_step, static_argnums=6)
     for t in range(prompt_len, total):
         attend_len = None if t % 2 else t + 1  # a prefix that still holds slot t

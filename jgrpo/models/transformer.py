@@ -178,16 +178,17 @@ def _dense(x, w, b=None):
     return y if b is None else y + b
 
 
-def _fuse_layer_params(p, cfg):
-    """Inference layout of stacked params: q|k|v and gate|up concatenated on the output axis
-    (one dot each instead of three and two), o flattened to [l, n * h, d] (a single contracting
-    axis: with two, XLA:CPU transposed both operands of every decode step's o dot)."""
-    p = dict(p)
-    p["o"] = p["o"].reshape(p["o"].shape[0], -1, p["o"].shape[-1])
-    l, d = p["q"].shape[:2]
-    p["qkv"] = jnp.concatenate([p.pop(name).reshape(l, d, -1) for name in "qkv"], axis=-1)
+def _fuse_layer_params(stacked, i: int, cfg):
+    """Layer i of the stacked params in inference layout, as its own arrays: q|k|v and gate|up
+    concatenated on the output axis (one dot each instead of three and two), o flattened to
+    [n * h, d] (a single contracting axis: with two, XLA:CPU transposed both operands of every
+    decode step's o dot). Each array is one slice-and-concatenate of the stacked params."""
+    p = {name: w[i] for name, w in stacked.items()}
+    d = p["q"].shape[0]
+    p["o"] = p["o"].reshape(-1, d)
+    p["qkv"] = jnp.concatenate([p.pop(name).reshape(d, -1) for name in "qkv"], axis=-1)
     if cfg.attention_bias:
-        biases = [p.pop(f"{name}_bias").reshape(l, -1) for name in "qkv"]
+        biases = [p.pop(f"{name}_bias").reshape(-1) for name in "qkv"]
         p["qkv_bias"] = jnp.concatenate(biases, axis=-1)
     p["gate_up"] = jnp.concatenate([p.pop("gate"), p.pop("up")], axis=-1)
     return p
@@ -288,18 +289,13 @@ class Transformer(nnx.Module):
             head_dv = self.lm_head[...]
         return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
 
-    def inference_weights(self) -> dict:
-        """The stacked layer weights in inference layout: q|k|v and gate|up concatenated on
-        their output axis (one dot each instead of three and two). A copy when called under
-        jit, as the sampler does once per generate call, for `prefill` and `layer_weights`."""
-        return _fuse_layer_params(self._layer_params(), self.cfg)
-
-    def layer_weights(self, stacked: dict) -> tuple[dict, ...]:
-        """Each layer's slice of `stacked` (`inference_weights()`) as its own arrays: what
-        `decode_step` runs on. Take it once, outside a decode loop."""
-        return tuple(
-            {name: w[i] for name, w in stacked.items()} for i in range(self.cfg.num_layers)
-        )
+    def layer_weights(self) -> tuple[dict, ...]:
+        """Every layer's weights in inference layout (`_fuse_layer_params`), each as its own
+        arrays: what `decode_step` runs on (and `prefill`'s last layer). A copy of the layer
+        weights when called under jit: take it once per generate call, outside the decode loop
+        (a scan over the stacked weights would slice, i.e. copy, every layer per token)."""
+        stacked = self._layer_params()
+        return tuple(_fuse_layer_params(stacked, i, self.cfg) for i in range(self.cfg.num_layers))
 
     def _attention_inputs(
         self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None
@@ -330,18 +326,20 @@ class Transformer(nnx.Module):
         x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
         return self._logits(x_btd)
 
-    def prefill(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, stacked=None):
+    def prefill(
+        self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None
+    ):
         """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
         `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after).
-        Positions must be < t (as `cumsum(mask) - 1` of a padded batch is). `stacked`:
-        `inference_weights()` when the caller has them (default: the parameters).
+        Positions must be < t (as `cumsum(mask) - 1` of a padded batch is). `last_layer`: the
+        last layer's weights when the caller holds them (`layer_weights()[-1]`).
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
         the last position only (~15% of the tiny benchmark's prefill).
         """
         cfg = self.cfg
-        stacked = self._layer_params() if stacked is None else stacked
+        stacked = self._layer_params()
         t = input_ids_bt.shape[1]
         mask_bts, rope = self._attention_inputs(
             input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
@@ -355,7 +353,7 @@ class Transformer(nnx.Module):
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
         layer_ids = jnp.arange(cfg.num_layers - 1)
         x_btd, (k_lbtkh, v_lbtkh) = jax.lax.scan(layer, x_btd, layer_ids)
-        p = {name: w[-1] for name, w in stacked.items()}
+        p = last_layer if last_layer is not None else _fuse_layer_params(stacked, -1, cfg)
         q, k, v = _layer_qkv(p, cfg, x_btd, rope)
         attn_b1nh = attention(q[:, -1:], k, v, mask_bts[:, -1:])
         x_b1d = _layer_out(p, cfg, x_btd[:, -1:], attn_b1nh)
@@ -383,7 +381,7 @@ class Transformer(nnx.Module):
     ):
         """Forward one token per row against the cache -> (logits_bv, updated cache).
 
-        `layers` is `self.layer_weights(stacked)`; the layers run unrolled, each writing its
+        `layers` is `self.layer_weights()`; the layers run unrolled, each writing its
         new key/value at cache `slot` with one `dynamic_update_slice` (in place in a loop
         carry). Positions must be < the number of cache slots (a token's slot bounds it).
         `attend_len` (static) limits attention to cache slots [0, attend_len): the caller
