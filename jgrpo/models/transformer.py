@@ -397,7 +397,8 @@ class Transformer(nnx.Module):
         sqrt_h = np.float32(math.sqrt(cfg.head_dim))
         zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
 
-        x_b1d = jnp.take(self.embed[...], token_b[:, None], axis=0)
+        # sampled ids are in range by construction; "clip" skips the out-of-range fill select
+        x_b1d = jnp.take(self.embed[...], token_b[:, None], axis=0, mode="clip")
         keys, values = [], []
         for p, k_bkhs, v_bksh in zip(layers, cache.keys, cache.values):
             q_b1nh, k_b1kh, v_b1kh = _layer_qkv(p, cfg, x_b1d, rope)
