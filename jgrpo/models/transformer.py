@@ -414,9 +414,14 @@ class Transformer(nnx.Module):
             )
             scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, _MASK_VALUE)
             exp_bkgs = jnp.exp(scores_bkgs - jnp.max(scores_bkgs, axis=-1, keepdims=True))
+            # values weighted by the unnormalised exp, normalised after the dot (float32)
             out_bkgh = jnp.einsum(
-                "bkgs,bksh->bkgh", exp_bkgs.astype(v_bksh.dtype), v_bksh[:, :, :s]
+                "bkgs,bksh->bkgh",
+                exp_bkgs.astype(v_bksh.dtype),
+                v_bksh[:, :, :s],
+                preferred_element_type=jnp.float32,
             )
-            out_bkgh = out_bkgh / jnp.sum(exp_bkgs, axis=-1, keepdims=True).astype(out_bkgh.dtype)
-            x_b1d = _layer_out(p, cfg, x_b1d, out_bkgh.reshape(b, 1, cfg.num_heads, -1))
+            out_bkgh = out_bkgh / jnp.sum(exp_bkgs, axis=-1, keepdims=True)
+            out_b1nh = out_bkgh.astype(v_bksh.dtype).reshape(b, 1, cfg.num_heads, -1)
+            x_b1d = _layer_out(p, cfg, x_b1d, out_b1nh)
         return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
