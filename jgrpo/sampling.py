@@ -239,11 +239,9 @@ def greedy_token(logits_bv):
     The logprob is -log(sum(exp(logits - max))): log_softmax at the argmax, where
     `logits - max` is exactly 0 (bit-identical to indexing `jax.nn.log_softmax`)."""
     logits_bv = logits_bv.astype(jnp.float32)
-    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
-    iota_bv = jax.lax.broadcasted_iota(jnp.int32, logits_bv.shape, 1)
-    token_b = jnp.min(jnp.where(logits_bv == max_b1, iota_bv, logits_bv.shape[-1]), axis=-1)
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)  # shared with _argmax's by XLA's CSE
     logprob_b = -jnp.log(jnp.sum(jnp.exp(logits_bv - max_b1), axis=-1))
-    return token_b, logprob_b
+    return _argmax(logits_bv), logprob_b
 
 
 def _threefry2x32(k1, k2, x1, x2):
@@ -439,7 +437,7 @@ def pad_prompts(prompts: list[list[int]], bucket: int, pad_id: int):
     lengths_b = np.asarray([len(p) for p in prompts], np.int32)
     if len(prompts) == 0 or lengths_b.min() < 1:
         raise ValueError("generate: needs at least one prompt, each with >= 1 token")
-    width = int(math.ceil(lengths_b.max() / bucket) * bucket)
+    width = _round_up(int(lengths_b.max()), bucket)
     ids_bp = np.full((len(prompts), width), pad_id, np.int32)
     for row, prompt in enumerate(prompts):
         ids_bp[row, width - len(prompt) :] = prompt
