@@ -104,3 +104,18 @@ def test_validation_pass_at_k_groups_samples_by_example():
     metrics = train.validate(t, 0)
     assert metrics["val/accuracy"] == pytest.approx(2 / 3)
     assert metrics["val/reward_mean"] == pytest.approx(5 / 12)
+
+
+def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path):
+    # the same rollouts padded to prompt buckets 8 and 64: seq_sum_norm divides by the
+    # generation budget (rollout.max_new_tokens), not the padded width (1.197 vs 0.266 before)
+    norms = {}
+    for bucket in (8, 64):
+        overrides = [*QUIET, "grpo.max_num_steps=1", "loss.aggregation=seq_sum_norm"]
+        cfg = load_config(TINY, [*overrides, f"rollout.prompt_bucket={bucket}"])
+        train.run(cfg, tmp_path / str(bucket))
+        (row,) = read_metrics(tmp_path / str(bucket))
+        norms[bucket] = row["train/grad_norm"], row["loss"]
+    assert norms[8][0] > 0
+    assert norms[64][0] == pytest.approx(norms[8][0], rel=1e-5)
+    assert norms[64][1] == pytest.approx(norms[8][1], rel=1e-5, abs=1e-7)
