@@ -149,7 +149,7 @@ class GRPOConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class LossConfig:
-    """The clipped policy-gradient loss (REFERENCE.md; NeMo-RL ClippedPGLossFn names)."""
+    """The clipped policy-gradient loss (docs/losses.md; NeMo-RL ClippedPGLossFn names)."""
 
     ratio_clip_min: float = 0.2
     """eps_low: r is clipped below at 1 - ratio_clip_min."""
@@ -162,9 +162,11 @@ class LossConfig:
     force_on_policy_ratio: bool = False
     """Ratio = exp(lp - stop_grad(lp)); the prev forward is dropped from the step."""
     sequence_level_importance_ratios: bool = False
-    """GSPO: one ratio per row from the mean token log-ratio."""
+    """GSPO: one ratio per row from the mean token log-ratio (and a per-row IS weight)."""
     aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
     """token_mean: / N_tok; seq_mean: per-row mean then / N_seq; seq_sum_norm: / (N_seq * S_max)."""
+    generation_budget: Optional[int] = None
+    """S_max of seq_sum_norm (null = rollout.max_new_tokens, filled in by the train step)."""
     reference_policy_kl_penalty: float = 0.0
     """beta: weight of the KL penalty to the reference (0 = no reference forward)."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
@@ -174,7 +176,7 @@ class LossConfig:
     kl_output_clamp_value: Optional[float] = 10.0
     """Clamp of the per-token KL value (None = off)."""
     use_on_policy_kl_approximation: bool = False
-    """Weight the KL by the importance ratio exp(lp - lg) instead of the weight 1."""
+    """Weight the KL by exp(lp - lg) (with gradient) before the output clamp, not by 1."""
     use_kl_in_reward: bool = False
     """reinforce_plus_plus: subtract beta * KL from the token rewards; loss beta becomes 0."""
     use_importance_sampling_correction: bool = False
@@ -560,6 +562,10 @@ def validate(cfg: Config) -> Config:
         value = getattr(loss, key)
         _require(value is None or value > 0, f"loss.{key}: must be > 0 (or null)")
     _require(
+        loss.generation_budget is None or loss.generation_budget >= 1,
+        f"loss.generation_budget: must be >= 1 (or null), got {loss.generation_budget}",
+    )
+    _require(
         not (loss.disable_ppo_ratio and loss.force_on_policy_ratio),
         "loss.disable_ppo_ratio and loss.force_on_policy_ratio: choose at most one",
     )
@@ -571,6 +577,15 @@ def validate(cfg: Config) -> Config:
     _require(
         not (loss.sequence_level_importance_ratios and loss.force_on_policy_ratio),
         "loss.sequence_level_importance_ratios: incompatible with loss.force_on_policy_ratio",
+    )
+    _require(
+        not (
+            loss.sequence_level_importance_ratios
+            and loss.truncated_importance_sampling_type == "seq-mask-tis"
+        ),
+        "loss.truncated_importance_sampling_type: seq-mask-tis is incompatible with "
+        "loss.sequence_level_importance_ratios (GSPO truncates its per-row weight with tis or "
+        "icepop)",
     )
     if loss.truncated_importance_sampling_type is not None:
         _require(

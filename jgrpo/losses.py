@@ -1,40 +1,40 @@
 """GRPO losses in pure jnp: token logprobs, advantages, the clipped policy loss, KL, IS weights.
 
-Owns the numbers of REFERENCE.md: "Ratio", "Surrogate", "Importance-sampling correction",
-"KL penalty to the reference", "Advantages" and the loss-side "Metrics". Nothing here holds
-state or imports flax/optax; every function is jittable. The train step (jgrpo/step.py) calls
-:func:`token_logprobs`, :func:`policy_loss` and :func:`combine_metrics`; the rollout side calls
-:func:`compute_advantages` / :func:`compute_token_advantages`.
+Owns the numbers that docs/losses.md writes out: the ratio, the surrogate and its aggregations,
+the importance-sampling correction, the KL penalty to the reference, the advantages and the
+loss-side metrics. Nothing here holds state or imports flax/optax; every function is jittable.
+The train step (jgrpo/step.py) calls :func:`token_logprobs`, :func:`policy_loss`,
+:func:`combine_metrics`, :func:`seq_error_metrics`, :func:`kl_in_reward` and
+:func:`compute_token_advantages`; :func:`compute_advantages` is the per-row form.
 
-Shape legend: ``_b`` batch rows, ``_t`` tokens (T = the static padded length, S_max),
-``_v`` vocab. Per-token arrays are aligned with the tokens they score: ``lp_bt[:, t]`` is
+Shape legend: ``_b`` batch rows, ``_t`` tokens (T = the static padded length), ``_v`` vocab.
+Per-token arrays are aligned with the tokens they score: ``lp_bt[:, t]`` is
 log p(tokens_bt[:, t] | tokens before it). Symbols: lp current, lo prev ("old"), lg sampler
 (generation), lr reference logprobs; A advantages; tm token mask, sm sample mask, m = tm * sm;
 N_tok, N_seq the GLOBAL counts of the optimizer step (so microbatch losses and metrics add up).
 
 Structural vs traced: inside the jitted step the float fields of LossConfig are traced scalars.
-Python branches here look only at bool/str fields, at None-ness of Optional fields and at which
-keys `batch` holds; never at a float value.
+Python branches here look only at bool/str/int fields, at None-ness of Optional fields and at
+which keys `batch` holds; never at a float value.
 
-Decisions and deviations from NeMo-RL (ClippedPGLossFn, calculate_kl, the estimators):
-- Groups come from explicit group ids (FIX), triviality is decided by equality of the group's
-  float32 rewards (max == min, FIX), a single-member group gets A = 0; both for all estimators
-  (for reinforce_plus_plus: before the global whitening, which then shifts every row alike).
-- The normalising std is the group's Bessel std also under the leave-one-out baseline.
-- KL weight v = exp(lp - sg(lp)) (value 1) keeps the score-function gradient, so the k3 gradient
-  is beta (k3 + 1 - e^x) m / N_tok (NeMo's detached estimator gives beta (1 - e^x) m / N_tok);
-  where the input clamp bit, v is detached and the token gives no KL gradient.
-- use_on_policy_kl_approximation multiplies the clamped per-token KL by rho = sg(nan_to_num(
-  exp(lp - lg))) as NeMo does (lg falls back to lo when generation logprobs are absent, giving
-  exp(lp - lo)).
-- use_kl_in_reward: the KL is measured (kl/penalty) but loss/kl is 0 (it lives in A instead).
-- `tis` clamps w to [min or 0, max] (NeMo: max only). The IS weight is always token-level
-  (NeMo's GSPO branch uses a sequence-level product weight).
+Where this deliberately differs from NeMo-RL (ClippedPGLossFn, calculate_kl, the advantage
+estimators at its 2026-08 HEAD; docs/losses.md says why):
+- Groups come from explicit group ids (NeMo: equal prompt tokens, which merges duplicate
+  prompts); any int32 ids, id < 0 marks a padding row that holds no sample.
+- Triviality is decided by exact float32 equality of the group's rewards (NeMo: std > 0), and
+  a group with fewer than 2 samples gets A = 0 (NeMo: baseline = reward, same result).
+- seq_sum_norm divides by the run's generation budget (LossConfig.generation_budget).
+- use_kl_in_reward clamps the reward KL with the configured kl_*_clamp_value (NeMo: its
+  calculate_kl defaults 20 / 10, whatever the config says).
 - prev_logprobs absent from `batch` is the same as force_on_policy_ratio: lo := sg(lp)
-  everywhere (ratio 1, unclipped, gradient of lp kept).
-- generation_logprobs absent: lg := lo, hence IS weight 1 and healthy placeholders (below).
+  everywhere (ratio 1, unclipped, gradient of lp kept); generation_logprobs absent: lg := lo,
+  hence IS weight 1 and healthy placeholders.
 - Masked positions of every per-token input are replaced before any exp/log, so garbage in
   padding can neither leak into values nor produce nan gradients (double-where rule).
+Matching NeMo exactly: the KL weight exp(lp - sg(lp)) (or exp(lp - lg) with the on-policy
+approximation) keeps its gradient and the output clamp acts on the weighted value; tis clamps
+to [min or 0, max]; GSPO uses a per-row IS weight exp(sum_t (lo - lg) m); the leave-one-out
+baseline normalises by the leave-one-out std; group statistics count sample-masked rows.
 """
 
 from __future__ import annotations
@@ -81,6 +81,32 @@ def kl_estimator(x: Array, kind: Literal["k1", "k2", "k3"]) -> Array:
     raise ValueError(f"kl kind must be 'k1', 'k2' or 'k3', got {kind!r}")
 
 
+def clamped_kl(x_bt: Array, cfg: LossConfig, weight_bt: Optional[Array] = None) -> Array:
+    """NeMo-RL's calculate_kl: clamp(w * k(clamp(x, +-in)), +-out), x = log q - log p.
+
+    Where the input clamp bites, w is detached (and x's gradient is 0), so the token gives no
+    gradient at all; where the output clamp bites, the value is the clamp and the gradient 0.
+    Clamps set to None are off; w = None is the weight 1 without gradient.
+    """
+    if cfg.kl_input_clamp_value is not None:
+        c = cfg.kl_input_clamp_value
+        if weight_bt is not None:
+            weight_bt = jnp.where(jnp.abs(x_bt) > c, _sg(weight_bt), weight_bt)
+        x_bt = jnp.clip(x_bt, -c, c)
+    kl_bt = kl_estimator(x_bt, cfg.reference_policy_kl_type)
+    if weight_bt is not None:
+        kl_bt = weight_bt * kl_bt
+    if cfg.kl_output_clamp_value is not None:
+        kl_bt = jnp.clip(kl_bt, -cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    return kl_bt
+
+
+def kl_in_reward(prev_bt: Array, ref_bt: Array, cfg: LossConfig) -> Array:
+    """[B, T] beta * clamped_kl(lr - lo): the per-token KL that use_kl_in_reward subtracts from
+    the reinforce_plus_plus token rewards (the same estimator and clamps as the penalty)."""
+    return cfg.reference_policy_kl_penalty * clamped_kl(ref_bt - prev_bt, cfg)
+
+
 def seq_logprob_error(prev_bt: Array, gen_bt: Array, mask_bt: Array) -> Array:
     """[B] e_b = sum_t exp(|lg - lo|) m / sum_t m (>= 1 on rows with tokens, 0 on empty rows).
 
@@ -92,46 +118,106 @@ def seq_logprob_error(prev_bt: Array, gen_bt: Array, mask_bt: Array) -> Array:
     return jnp.where(jnp.isnan(err_b), jnp.inf, err_b).astype(_f32)
 
 
+SEQ_ERROR_METRICS = tuple(
+    f"logprob/seq_error{part}_{stat}" for part in ("", "_kept") for stat in ("max", "mean", "min")
+)
+"""The per-sequence logprob-error metric keys of :func:`seq_error_metrics`."""
+
+
+def seq_error_metrics(
+    prev_bt: Array, gen_bt: Array, token_mask_bt: Array, sample_mask_b: Array, kept_b: Array
+) -> dict:
+    """Statistics of e_b (:func:`seq_logprob_error`) over a whole rollout batch.
+
+    `logprob/seq_error_{max,mean,min}`: over every row with sample_mask > 0 and at least one
+    token, BEFORE logprob-error masking (so the max shows the outliers that the threshold
+    drops); `logprob/seq_error_kept_{max,mean,min}`: over those rows that are also `kept_b`
+    (sample_mask after the threshold). The mean divides by the rows counted; with no such row
+    every statistic is 0.0 (e_b >= 1, so 0.0 reads as "nothing measured").
+    """
+    sm_b = jnp.asarray(sample_mask_b, _f32)
+    mask_bt = jnp.asarray(token_mask_bt, _f32) * sm_b[:, None]
+    err_b = seq_logprob_error(prev_bt, gen_bt, mask_bt)
+    has_b = (sm_b > 0) & (jnp.sum(mask_bt, axis=-1) > 0)
+    out = {}
+    for part, rows_b in (("", has_b), ("_kept", has_b & (jnp.asarray(kept_b) > 0))):
+        count = jnp.sum(rows_b)
+        stats = {
+            "max": jnp.max(jnp.where(rows_b, err_b, -jnp.inf)),
+            "mean": jnp.sum(jnp.where(rows_b, err_b, 0.0)) / jnp.maximum(count, 1),
+            "min": jnp.min(jnp.where(rows_b, err_b, jnp.inf)),
+        }
+        for stat, value in stats.items():
+            out[f"logprob/seq_error{part}_{stat}"] = jnp.where(count > 0, value, 0.0).astype(_f32)
+    return out
+
+
 # ----------------------------------------------------------------------------- advantages
 
 
-def _group_stats(r_b, gid_b, valid_b):
-    """Per-row view of the group: count, sum of d = r - group min, Bessel std, triviality.
+def group_index(group_ids_b: Array) -> Array:
+    """[B] int32 dense group index in [0, B): rows with equal ids share an index (any int32 ids,
+    in any order; grouping is by id, never by position)."""
+    gid_b = jnp.asarray(group_ids_b, jnp.int32)
+    n = gid_b.shape[0]
+    _, inv_b = jnp.unique(gid_b, size=n, fill_value=jnp.iinfo(jnp.int32).min, return_inverse=True)
+    return inv_b.reshape(n).astype(jnp.int32)
 
-    Working on d (exact in float32 for close rewards, Sterbenz) keeps a 1e-4 reward gap from
-    drowning in the rounding of a mean of values near 1.
+
+def _group_stats(r_b, idx_b, sample_b) -> dict:
+    """Per-row view of the row's group over its sample rows (every row with group id >= 0).
+
+    d = r - group min (exact in float32 for close rewards, Sterbenz) keeps a 1e-4 reward gap
+    from drowning in the rounding of a mean of values near 1. Returns d, the count n and sum S
+    of the group, its Bessel std, its leave-one-out Bessel std (std of the OTHER members: 0
+    where they are all exactly equal, always so for n = 2) and triviality (all rewards exactly
+    equal as float32, or fewer than 2 samples).
     """
     n = r_b.shape[0]
-    seg = lambda x: jax.ops.segment_sum(x, gid_b, num_segments=n)[gid_b]
-    v_b = valid_b.astype(_f32)
-    hi_b = jax.ops.segment_max(jnp.where(valid_b, r_b, -jnp.inf), gid_b, num_segments=n)[gid_b]
-    lo_b = jax.ops.segment_min(jnp.where(valid_b, r_b, jnp.inf), gid_b, num_segments=n)[gid_b]
-    d_b = jnp.where(valid_b, r_b - lo_b, 0.0)
-    cnt_b, sum_b = seg(v_b), seg(d_b)
-    mean_b = sum_b / jnp.maximum(cnt_b, 1)
-    var_b = seg(jnp.square(d_b - mean_b) * v_b) / jnp.maximum(cnt_b - 1, 1)
+    seg_sum = lambda x: jax.ops.segment_sum(x, idx_b, num_segments=n)[idx_b]
+    seg_max = lambda x: jax.ops.segment_max(x, idx_b, num_segments=n)[idx_b]
+    v_b = sample_b.astype(_f32)
+    hi_b = seg_max(jnp.where(sample_b, r_b, -jnp.inf))
+    lo_b = -seg_max(jnp.where(sample_b, -r_b, -jnp.inf))
+    d_b = jnp.where(sample_b, r_b - lo_b, 0.0)
+    cnt_b, sum_b = seg_sum(v_b), seg_sum(d_b)
+    c_b = jnp.where(sample_b, d_b - sum_b / jnp.maximum(cnt_b, 1), 0.0)  # two-pass centring
+    q_b = seg_sum(jnp.square(c_b))
+    std_b = jnp.sqrt(q_b / jnp.maximum(cnt_b - 1, 1))
+    # leave-one-out: remove row i from the centred sum of squares (Welford downdate) ...
+    q_loo_b = jnp.maximum(q_b - jnp.square(c_b) * cnt_b / jnp.maximum(cnt_b - 1, 1), 0.0)
+    std_loo_b = jnp.sqrt(q_loo_b / jnp.maximum(cnt_b - 2, 1))
+    # ... and decide "the others are all equal" exactly, from their extremes, not from rounding
+    n_hi_b = seg_sum((sample_b & (r_b == hi_b)).astype(_f32))
+    n_lo_b = seg_sum((sample_b & (r_b == lo_b)).astype(_f32))
+    second_hi_b = seg_max(jnp.where(sample_b & (r_b < hi_b), r_b, -jnp.inf))
+    second_lo_b = -seg_max(jnp.where(sample_b & (r_b > lo_b), -r_b, -jnp.inf))
+    others_hi_b = jnp.where((r_b < hi_b) | (n_hi_b >= 2), hi_b, second_hi_b)
+    others_lo_b = jnp.where((r_b > lo_b) | (n_lo_b >= 2), lo_b, second_lo_b)
+    std_loo_b = jnp.where((others_hi_b == others_lo_b) | (cnt_b < 3), 0.0, std_loo_b)
     # FIX: exact float32 equality, not std > 0, decides triviality
-    trivial_b = (hi_b == lo_b) | (cnt_b < 2) | ~valid_b
-    return d_b, cnt_b, sum_b, jnp.sqrt(var_b), trivial_b
+    trivial_b = (hi_b == lo_b) | (cnt_b < 2) | ~sample_b
+    return dict(d=d_b, cnt=cnt_b, sum=sum_b, std=std_b, std_loo=std_loo_b, trivial=trivial_b)
 
 
-def _centered_advantages(r_b, gid_b, valid_b, cfg: AdvantageConfig) -> Array:
+def _centered_advantages(r_b, group_ids_b, sample_b, cfg: AdvantageConfig) -> Array:
     """[B] group-relative advantage before any global step; the estimator dispatch."""
-    d_b, cnt_b, sum_b, std_b, trivial_b = _group_stats(r_b, gid_b, valid_b)
+    st = _group_stats(r_b, group_index(group_ids_b), sample_b)
+    d_b, cnt_b, sum_b = st["d"], st["cnt"], st["sum"]
     if cfg.use_leave_one_out_baseline:
-        base_b = (sum_b - d_b) / jnp.maximum(cnt_b - 1, 1)
+        base_b, std_b = (sum_b - d_b) / jnp.maximum(cnt_b - 1, 1), st["std_loo"]
     else:
-        base_b = sum_b / jnp.maximum(cnt_b, 1)
+        base_b, std_b = sum_b / jnp.maximum(cnt_b, 1), st["std"]
     adv_b = d_b - base_b
     match cfg.estimator:
         case "grpo":
-            if cfg.normalize_rewards:
-                adv_b = adv_b / (std_b + 1e-6)
+            if cfg.normalize_rewards:  # no division where the std is 0 (NeMo: std > 0 only)
+                adv_b = jnp.where(std_b > 0, adv_b / (std_b + 1e-6), adv_b)
         case "dr_grpo" | "reinforce_plus_plus":
             pass
         case _:
             raise ValueError(f"unknown advantage estimator {cfg.estimator!r}")
-    return jnp.where(trivial_b, 0.0, adv_b)
+    return jnp.where(st["trivial"], 0.0, adv_b)
 
 
 def _whiten(x, w):
@@ -150,24 +236,35 @@ def _clip_advantages(adv, cfg: AdvantageConfig):
     return adv
 
 
+def _row_sets(group_ids_b, sample_mask_b):
+    """(sample_b, loss_b): rows holding a sample (group id >= 0; they form the group statistics)
+    and rows that take part in the loss (a sample with sample_mask > 0)."""
+    sample_b = jnp.asarray(group_ids_b, jnp.int32) >= 0
+    if sample_mask_b is None:
+        return sample_b, sample_b
+    return sample_b, sample_b & (jnp.asarray(sample_mask_b) > 0)
+
+
 def compute_advantages(
     rewards: Array, group_ids: Array, cfg: AdvantageConfig, sample_mask: Optional[Array] = None
 ) -> Array:
-    """[B] float32 advantages of REFERENCE.md "Advantages".
+    """[B] float32 advantages (docs/losses.md "Advantages").
 
-    rewards [B] float, group_ids [B] int in [0, B) (explicit group ids), sample_mask [B] (rows
-    with 0 are left out of every group statistic and get A = 0). Rewards are cast to float32
-    first; "all exactly equal" means equal as float32. reinforce_plus_plus here whitens over
-    valid ROWS (equal to the token whitening of :func:`compute_token_advantages` only when all
-    rows have the same length; the train path should use that one).
+    group_ids [B] int32: rows with the same id >= 0 form a group, whatever the ids are (7 and 3
+    work as well as 0 and 1); a row with an id < 0 is padding that holds no sample: it is in no
+    group statistic and gets A = 0. sample_mask [B]: rows with 0 take no part in the loss (A = 0,
+    and reinforce_plus_plus leaves them out of its whitening) but their rewards still count in
+    their group's statistics: they are samples of the policy. Rewards are cast to float32 first;
+    "all exactly equal" means equal as float32. reinforce_plus_plus here whitens over loss ROWS
+    (equal to the token whitening of :func:`compute_token_advantages` only when all rows have
+    the same length; the train path uses that one).
     """
     r_b = jnp.asarray(rewards, _f32)
-    gid_b = jnp.asarray(group_ids, jnp.int32)
-    valid_b = jnp.ones(r_b.shape, bool) if sample_mask is None else jnp.asarray(sample_mask) > 0
-    adv_b = _centered_advantages(r_b, gid_b, valid_b, cfg)
+    sample_b, loss_b = _row_sets(group_ids, sample_mask)
+    adv_b = _centered_advantages(r_b, group_ids, sample_b, cfg)
     if cfg.estimator == "reinforce_plus_plus":
-        adv_b = _whiten(adv_b, valid_b.astype(_f32))
-    return jnp.where(valid_b, _clip_advantages(adv_b, cfg), 0.0)
+        adv_b = _whiten(adv_b, loss_b.astype(_f32))
+    return jnp.where(loss_b, _clip_advantages(adv_b, cfg), 0.0)
 
 
 def compute_token_advantages(
@@ -179,24 +276,23 @@ def compute_token_advantages(
     kl_bt: Optional[Array] = None,
     sample_mask_b: Optional[Array] = None,
 ) -> Array:
-    """[B, T] float32 advantages, 0 outside m = token_mask * sample_mask.
+    """[B, T] float32 advantages, 0 outside m = token_mask * sample_mask (and on padding rows).
 
+    Groups and sample_mask as in :func:`compute_advantages`.
     grpo / dr_grpo: the [B] advantage broadcast over the mask (kl_bt must be None).
-    reinforce_plus_plus (NeMo-RL's rule): a_bt = (r_b - group baseline_b) - kl_bt, the KL taken
+    reinforce_plus_plus (NeMo-RL's rule): a_bt = (r_b - group mean_b) - kl_bt, the KL taken
     per token with no returns-to-go sum, then whitened over all masked tokens of the batch
     (population variance, rsqrt(max(var, 1e-8))), then clipped. kl_bt (use_kl_in_reward) is
-    supplied already scaled: beta * kl_estimator(lr - lo, kind).
+    supplied already scaled: :func:`kl_in_reward`.
     """
-    m_bt = jnp.asarray(token_mask_bt, _f32)
-    if sample_mask_b is not None:
-        m_bt = m_bt * jnp.asarray(sample_mask_b, _f32)[:, None]
+    sample_b, loss_b = _row_sets(group_ids_b, sample_mask_b)
+    m_bt = jnp.asarray(token_mask_bt, _f32) * loss_b.astype(_f32)[:, None]
     if cfg.estimator != "reinforce_plus_plus":
         if kl_bt is not None:
             raise ValueError("kl_bt (use_kl_in_reward) is only used by reinforce_plus_plus")
         return compute_advantages(rewards_b, group_ids_b, cfg, sample_mask_b)[:, None] * m_bt
     r_b = jnp.asarray(rewards_b, _f32)
-    valid_b = jnp.sum(m_bt, axis=-1) > 0 if sample_mask_b is None else sample_mask_b > 0
-    adv_b = _centered_advantages(r_b, jnp.asarray(group_ids_b, jnp.int32), valid_b, cfg)
+    adv_b = _centered_advantages(r_b, group_ids_b, sample_b, cfg)
     adv_bt = jnp.broadcast_to(adv_b[:, None], m_bt.shape)
     if kl_bt is not None:
         adv_bt = adv_bt - jnp.where(m_bt > 0, kl_bt, 0.0)
@@ -237,20 +333,32 @@ class _Masks:
     def tok_max(self, x_bt):
         return jnp.max(jnp.where(self.valid_bt, x_bt, -jnp.inf))
 
-    def aggregate(self, x_bt, kind: str):
-        """The loss aggregation (REFERENCE "Surrogate"); the one dispatch on cfg.aggregation."""
-        match kind:
+    def aggregate(self, x_bt, cfg: LossConfig):
+        """The loss aggregation (docs/losses.md "Surrogate"); the one dispatch on aggregation."""
+        match cfg.aggregation:
             case "token_mean":
                 return self.tok_sum(x_bt) / self.n_tok
             case "seq_mean":
                 return self.seq_mean(self.row_mean(x_bt))
             case "seq_sum_norm":
-                return self.tok_sum(x_bt) / (self.n_seq * x_bt.shape[-1])
-        raise ValueError(f"unknown loss aggregation {kind!r}")
+                return self.tok_sum(x_bt) / (self.n_seq * generation_budget(cfg))
+        raise ValueError(f"unknown loss aggregation {cfg.aggregation!r}")
+
+
+def generation_budget(cfg: LossConfig) -> int:
+    """S_max of seq_sum_norm: cfg.generation_budget, a constant of the run (the train step sets
+    it from rollout.max_new_tokens). Never the padded row width, which moves with the prompt
+    bucket; so a config without it is an error, not a fallback."""
+    if cfg.generation_budget is None:
+        raise ValueError(
+            "loss.aggregation=seq_sum_norm needs LossConfig.generation_budget (the run's "
+            "rollout.max_new_tokens; jgrpo.step.StepFlags.from_config fills it in)"
+        )
+    return cfg.generation_budget
 
 
 def _ratios(lp_bt, lo_bt, masks: _Masks, cfg: LossConfig, on_policy: bool):
-    """(r, r^) of REFERENCE "Ratio"; the one dispatch on the ratio mode."""
+    """(r, r^) of docs/losses.md "Ratio"; the one dispatch on the ratio mode."""
     if cfg.disable_ppo_ratio:
         return lp_bt, lp_bt
     if on_policy:
@@ -274,63 +382,88 @@ def _surrogate(adv_bt, r_bt, rc_bt, cfg: LossConfig):
     return loss_bt, dual_bt
 
 
-def _is_weights(lo_bt, lg_bt, masks: _Masks, cfg: LossConfig):
-    """(w_bt, oob): truncated IS weight exp(lo - lg) (no gradient) and its out-of-bounds share."""
-    w_bt = _sg(jnp.nan_to_num(jnp.exp(lo_bt - lg_bt), nan=0.0, posinf=0.0, neginf=0.0))
-    kind = cfg.truncated_importance_sampling_type
-    if kind is None:
-        return w_bt, jnp.zeros((), _f32)
+def _finite_exp(log_w):
+    """exp(log_w) where that is finite, else 0 (NeMo's nan_to_num(exp(.)), nan-safe gradient)."""
+    ok = jnp.isfinite(jnp.exp(_sg(log_w)))
+    return jnp.where(ok, jnp.exp(jnp.where(ok, log_w, 0.0)), 0.0)
+
+
+def _truncate(w, masks: _Masks, cfg: LossConfig):
+    """(truncated w, kept flags) for tis / icepop; w is [B, T] or, under GSPO, [B]."""
     hi = cfg.truncated_importance_sampling_ratio
     lo = cfg.truncated_importance_sampling_ratio_min
     lo = 0.0 if lo is None else lo
+    keep = (w >= lo) & (w <= hi)
+    if cfg.truncated_importance_sampling_type == "tis":
+        return jnp.clip(w, lo, hi), keep
+    return jnp.where(keep, w, 0.0), keep  # icepop
+
+
+def _is_weights(lo_bt, lg_bt, masks: _Masks, cfg: LossConfig):
+    """(w_bt, oob, mean w) of docs/losses.md "Importance-sampling correction" (no gradient).
+
+    Token level: w = exp(lo - lg). GSPO (sequence_level_importance_ratios): one weight per row,
+    w_b = exp(sum_t (lo - lg) m), and tis / icepop truncate w_b; the mean weight is then over
+    rows, oob the share of TOKENS in out-of-bounds rows (NeMo-RL's normalisation)."""
+    kind = cfg.truncated_importance_sampling_type
+    log_w_bt = jnp.where(masks.valid_bt, lo_bt - lg_bt, 0.0)
+    if cfg.sequence_level_importance_ratios:
+        if kind == "seq-mask-tis":
+            raise ValueError(
+                "truncated_importance_sampling_type='seq-mask-tis' masks rows by their token "
+                "weights; it is incompatible with sequence_level_importance_ratios"
+            )
+        w_b = _sg(_finite_exp(jnp.sum(log_w_bt, axis=-1)))
+        oob = jnp.zeros((), _f32)
+        if kind is not None:
+            w_b, keep_b = _truncate(w_b, masks, cfg)
+            oob = masks.tok_mean(jnp.broadcast_to(1.0 - keep_b[:, None], lo_bt.shape))
+        return jnp.broadcast_to(w_b[:, None], lo_bt.shape), oob, masks.seq_mean(w_b)
+    w_bt = _sg(_finite_exp(lo_bt - lg_bt))
+    oob = jnp.zeros((), _f32)
     match kind:
-        case "tis":
-            keep_bt = (w_bt >= lo) & (w_bt <= hi)
-            return jnp.clip(w_bt, lo, hi), masks.tok_mean(1.0 - keep_bt)
-        case "icepop":
-            keep_bt = (w_bt >= lo) & (w_bt <= hi)
-            return jnp.where(keep_bt, w_bt, 0.0), masks.tok_mean(1.0 - keep_bt)
+        case None:
+            pass
+        case "tis" | "icepop":
+            w_bt, keep_bt = _truncate(w_bt, masks, cfg)
+            oob = masks.tok_mean(1.0 - keep_bt)
         case "seq-mask-tis":
-            log_w_bt = jnp.nan_to_num(lo_bt - lg_bt, nan=0.0, posinf=0.0, neginf=0.0)
-            geo_b = _sg(jnp.exp(masks.row_mean(log_w_bt)))
+            hi = cfg.truncated_importance_sampling_ratio
+            lo = cfg.truncated_importance_sampling_ratio_min
+            lo = 0.0 if lo is None else lo
+            safe_bt = jnp.nan_to_num(log_w_bt, nan=0.0, posinf=0.0, neginf=0.0)
+            geo_b = _sg(jnp.exp(masks.row_mean(safe_bt)))
             keep_b = (geo_b >= lo) & (geo_b <= hi)
-            return w_bt * keep_b[:, None], masks.seq_mean(1.0 - keep_b)
-    raise ValueError(f"unknown truncated_importance_sampling_type {kind!r}")
+            w_bt, oob = w_bt * keep_b[:, None], masks.seq_mean(1.0 - keep_b)
+        case _:
+            raise ValueError(f"unknown truncated_importance_sampling_type {kind!r}")
+    return w_bt, oob, masks.tok_mean(w_bt)
 
 
 def _kl_to_reference(lp_bt, lr_bt, lg_bt, cfg: LossConfig):
-    """Unscaled per-token KL with gradient: clamp(v k(x), +-out) [* rho], x = clamp(lr - lp)."""
-    x_bt = lr_bt - lp_bt
-    v_bt = jnp.exp(lp_bt - _sg(lp_bt))  # value 1; keeps the score-function gradient
-    if cfg.kl_input_clamp_value is not None:
-        c = cfg.kl_input_clamp_value
-        v_bt = jnp.where(jnp.abs(x_bt) > c, _sg(v_bt), v_bt)
-        x_bt = jnp.clip(x_bt, -c, c)
-    kl_bt = v_bt * kl_estimator(x_bt, cfg.reference_policy_kl_type)
-    if cfg.kl_output_clamp_value is not None:
-        kl_bt = jnp.clip(kl_bt, -cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+    """Unscaled per-token KL with gradient: clamped_kl(lr - lp, weight w).
+
+    w = exp(lp - sg(lp)) (value 1, keeps the score-function gradient) or, with
+    use_on_policy_kl_approximation, w = exp(lp - lg) with its gradient; the output clamp acts
+    on w * k (NeMo-RL's order)."""
     if cfg.use_on_policy_kl_approximation:
-        rho_bt = jnp.nan_to_num(jnp.exp(lp_bt - lg_bt), nan=0.0, posinf=0.0, neginf=0.0)
-        kl_bt = kl_bt * _sg(rho_bt)
-    return kl_bt
+        w_bt = _finite_exp(lp_bt - lg_bt)
+    else:
+        w_bt = jnp.exp(lp_bt - _sg(lp_bt))
+    return clamped_kl(lr_bt - lp_bt, cfg, w_bt)
 
 
 def _mismatch_metrics(lo_bt, lg_bt, masks: _Masks, kind) -> dict:
-    """Train-vs-sampler logprob metrics of REFERENCE "Metrics" (no gradient)."""
+    """Train-vs-sampler token metrics of docs/losses.md "Metrics" (no gradient)."""
     lo_bt, lg_bt = _sg(lo_bt), _sg(lg_bt)
     mix_bt = jnp.logaddexp(lo_bt, lg_bt) - jnp.log(2.0)
     k3 = lambda d: jnp.exp(d) - d - 1.0
     js_bt = 0.5 * k3(lo_bt - mix_bt) + 0.5 * k3(lg_bt - mix_bt)
-    err_b = seq_logprob_error(lo_bt, lg_bt, masks.m_bt)
-    has_b = (masks.sm_b > 0) & (masks.len_b > 0)
     return {
         "logprob/token_mult_prob_error": masks.tok_mean(jnp.exp(jnp.abs(lg_bt - lo_bt))),
         "logprob/gen_kl_error": masks.tok_mean(kl_estimator(lo_bt - lg_bt, kind)),
         "logprob/policy_kl_error": masks.tok_mean(kl_estimator(lg_bt - lo_bt, kind)),
         "logprob/js_divergence_error": masks.tok_mean(js_bt),
-        "logprob/seq_error_mean": masks.seq_mean(err_b),
-        "logprob/seq_error_min": jnp.min(jnp.where(has_b, err_b, jnp.inf)),
-        "logprob/seq_error_max": jnp.max(jnp.where(has_b, err_b, -jnp.inf)),
     }
 
 
@@ -351,31 +484,33 @@ def _ratio_metrics(r_bt, rc_bt, dual_bt, masks: _Masks) -> dict:
 def policy_loss(
     curr_logprobs: Array, batch: dict, cfg: LossConfig, num_valid_tokens, num_valid_seqs
 ) -> tuple[Array, dict]:
-    """(loss, metrics): loss_pg + loss_kl of REFERENCE.md for one microbatch.
+    """(loss, metrics): loss_pg + loss_kl of docs/losses.md for one microbatch.
 
     curr_logprobs [B, T] (differentiable lp). batch: advantages [B, T], token_mask [B, T],
     sample_mask [B], and optionally prev_logprobs, generation_logprobs, reference_logprobs
     [B, T]. num_valid_tokens / num_valid_seqs are the GLOBAL counts N_tok / N_seq (sum of m,
     sum of sm over the whole optimizer step), so the losses and the metrics of microbatches
-    add up to the full-batch ones (see :func:`combine_metrics`).
+    add up to the full-batch ones (see :func:`combine_metrics`). aggregation=seq_sum_norm
+    needs cfg.generation_budget (ValueError otherwise).
 
     Metrics (all keys on every call). Keys ending in `_min` / `_max` are this microbatch's
-    extreme over its valid tokens/rows (+inf / -inf when it has none) and combine by min/max;
+    extreme over its valid tokens (+inf / -inf when it has none) and combine by min/max;
     every other key is already divided by the global counts and combines by sum:
       loss/total, loss/pg, loss/kl; kl/penalty (KL without beta, aggregated like the loss);
       logprob/{token_mult_prob_error, gen_kl_error, policy_kl_error, js_divergence_error}
-      (token means), logprob/seq_error_{mean,min,max} (e_b over valid rows);
-      is/sampling_importance_ratio (token mean of the truncated w), is/oob_ratio (share of
-      tokens, or for seq-mask-tis of rows, outside [min, max]; 0 without truncation);
-      ratio/{mean,min,max,clamped_mean,clamped_min,clamped_max} of r and r^, ratio/clip_fraction
-      (tokens with r^ != r), ratio/dual_clip_fraction; policy/approx_entropy
-      (-token mean of rho lp, rho = exp(lp - lg)); batch/num_valid_tokens, batch/num_valid_seqs
-      (this microbatch's sums of m and sm).
-    Placeholders: without generation_logprobs lg := lo, so token_mult_prob_error and
-    seq_error_* are 1.0, gen_kl/policy_kl/js errors 0.0, sampling_importance_ratio 1.0 and
-    oob_ratio 0.0; without prev_logprobs lo := sg(lp) (ratios all 1.0); without
-    reference_logprobs loss/kl and kl/penalty are 0.0. Under disable_ppo_ratio the ratio/*
-    metrics report exp(lp - lo) (the surrogate itself uses lp and no clip).
+      (token means); is/sampling_importance_ratio (mean of the truncated w: over tokens, or
+      under GSPO over rows), is/oob_ratio (share of tokens outside [min, max] — under GSPO of
+      tokens in rows whose w_b is outside — or for seq-mask-tis the share of rows; 0 without
+      truncation); ratio/{mean,min,max,clamped_mean,clamped_min,clamped_max} of r and r^,
+      ratio/clip_fraction (tokens with r^ != r), ratio/dual_clip_fraction;
+      policy/approx_entropy (-token mean of rho lp, rho = exp(lp - lg)); batch/num_valid_tokens,
+      batch/num_valid_seqs (this microbatch's sums of m and sm). The per-sequence errors
+      logprob/seq_error_* need the whole batch: :func:`seq_error_metrics`.
+    Placeholders: without generation_logprobs lg := lo, so token_mult_prob_error is 1.0,
+    gen_kl/policy_kl/js errors 0.0, sampling_importance_ratio 1.0 and oob_ratio 0.0; without
+    prev_logprobs lo := sg(lp) (ratios all 1.0); without reference_logprobs loss/kl and
+    kl/penalty are 0.0. Under disable_ppo_ratio the ratio/* metrics report exp(lp - lo) (the
+    surrogate itself uses lp and no clip).
     """
     masks = _Masks(batch["token_mask"], batch["sample_mask"], num_valid_tokens, num_valid_seqs)
     valid_bt = masks.valid_bt
@@ -390,16 +525,18 @@ def policy_loss(
     r_bt, rc_bt = _ratios(lp_bt, lo_bt, masks, cfg, on_policy)
     pg_bt, dual_bt = _surrogate(adv_bt, r_bt, rc_bt, cfg)
     if has_gen:
-        w_bt, oob = _is_weights(lo_bt, lg_bt, masks, cfg)
+        w_bt, oob, mean_w = _is_weights(lo_bt, lg_bt, masks, cfg)
     else:
         w_bt, oob = jnp.ones_like(lp_bt), jnp.zeros((), _f32)
+        per_row = cfg.sequence_level_importance_ratios
+        mean_w = masks.seq_mean(jnp.ones_like(masks.sm_b)) if per_row else masks.tok_mean(w_bt)
     if cfg.use_importance_sampling_correction:
         pg_bt = w_bt * pg_bt
-    loss_pg = masks.aggregate(pg_bt, cfg.aggregation)
+    loss_pg = masks.aggregate(pg_bt, cfg)
 
     if "reference_logprobs" in batch:
         lr_bt = jnp.where(valid_bt, batch["reference_logprobs"], lp_bt)
-        kl = masks.aggregate(_kl_to_reference(lp_bt, lr_bt, lg_bt, cfg), cfg.aggregation)
+        kl = masks.aggregate(_kl_to_reference(lp_bt, lr_bt, lg_bt, cfg), cfg)
         beta = 0.0 if cfg.use_kl_in_reward else cfg.reference_policy_kl_penalty
         loss_kl = beta * kl
     else:
@@ -415,7 +552,7 @@ def policy_loss(
         "loss/kl": loss_kl,
         "kl/penalty": kl,
         **_mismatch_metrics(lo_bt, lg_bt, masks, cfg.reference_policy_kl_type),
-        "is/sampling_importance_ratio": masks.tok_mean(w_bt),
+        "is/sampling_importance_ratio": mean_w,
         "is/oob_ratio": oob,
         **_ratio_metrics(r_bt, rc_bt, dual_bt, masks),
         "policy/approx_entropy": -masks.tok_mean(rho_bt * _sg(lp_bt)),

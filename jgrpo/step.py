@@ -65,7 +65,7 @@ class StepFlags:
         return cls(
             compute_prev_logprobs=not cfg.skip_prev,
             compute_ref_logprobs=not cfg.skip_ref,
-            loss=split_floats(cfg.loss)[0],
+            loss=split_floats(with_generation_budget(cfg))[0],
             advantage=split_floats(cfg.grpo.advantage)[0],
             num_minibatches=cfg.grpo.num_minibatches,
             num_microbatches=cfg.grpo.num_microbatches,
@@ -83,6 +83,13 @@ class TrainState(NamedTuple):
     opt_state: Any
     step: jax.Array
     """Optimizer updates applied so far (int32 scalar; drives the schedule)."""
+
+
+def with_generation_budget(cfg: Config) -> LossConfig:
+    """cfg.loss with generation_budget (S_max of seq_sum_norm) = rollout.max_new_tokens if unset."""
+    budget = cfg.loss.generation_budget
+    budget = cfg.rollout.max_new_tokens if budget is None else budget
+    return dataclasses.replace(cfg.loss, generation_budget=budget)
 
 
 def split_floats(section) -> tuple[Any, dict[str, float]]:
@@ -187,26 +194,28 @@ def reduce_minibatch_metrics(stacked: dict) -> dict:
 
 
 def batch_statistics(batch: dict, advantages_bt, kept_b) -> dict:
-    """Reward metrics over the rollout's rows; advantage metrics over the rows kept for the loss
-    (`kept_b`: sample_mask after logprob-error masking)."""
-    sm_b = batch["sample_mask"]
+    """Reward metrics over the rollout's sample rows (group id >= 0, whatever their sample_mask,
+    as the group statistics of the advantages); advantage metrics over the rows kept for the
+    loss (`kept_b`: sample_mask after logprob-error masking)."""
     rewards_b = batch["rewards"].astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(sm_b), 1.0)
-    mean = jnp.sum(rewards_b * sm_b) / n
-    tm_bt = batch["token_mask"] * kept_b[:, None]
+    sample_b = batch["group_ids"] >= 0
+    s_b = sample_b.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(s_b), 1.0)
+    mean = jnp.sum(rewards_b * s_b) / n
+    tm_bt = batch["token_mask"] * (kept_b * s_b)[:, None]
     n_tok = jnp.maximum(jnp.sum(tm_bt), 1.0)
     adv_mean = jnp.sum(advantages_bt * tm_bt) / n_tok
     valid_bt = tm_bt > 0
     any_token = jnp.any(valid_bt)  # every row masked: report 0, not +-inf
     adv_min = jnp.min(jnp.where(valid_bt, advantages_bt, jnp.inf))
     adv_max = jnp.max(jnp.where(valid_bt, advantages_bt, -jnp.inf))
-    b, group_ids_b = rewards_b.shape[0], batch["group_ids"]
-    gmax = jax.ops.segment_max(jnp.where(sm_b > 0, rewards_b, -jnp.inf), group_ids_b, b)
-    gmin = jax.ops.segment_min(jnp.where(sm_b > 0, rewards_b, jnp.inf), group_ids_b, b)
-    present = jax.ops.segment_sum(sm_b, group_ids_b, b) > 0
+    b, idx_b = rewards_b.shape[0], losses.group_index(batch["group_ids"])
+    gmax = jax.ops.segment_max(jnp.where(sample_b, rewards_b, -jnp.inf), idx_b, b)
+    gmin = jax.ops.segment_min(jnp.where(sample_b, rewards_b, jnp.inf), idx_b, b)
+    present = jax.ops.segment_sum(s_b, idx_b, b) > 0
     return {
         "reward/mean": mean,
-        "reward/std": jnp.sqrt(jnp.sum(sm_b * (rewards_b - mean) ** 2) / n),
+        "reward/std": jnp.sqrt(jnp.sum(s_b * (rewards_b - mean) ** 2) / n),
         "advantage/mean": adv_mean,
         "advantage/std": jnp.sqrt(jnp.sum(tm_bt * (advantages_bt - adv_mean) ** 2) / n_tok),
         "advantage/min": jnp.where(any_token, adv_min, 0.0),
@@ -237,12 +246,21 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
         dropped_b = (batch["sample_mask"] > 0) & ~keep_b
         metrics["logprob/num_masked_seqs_by_logprob_error"] = jnp.sum(dropped_b).astype(jnp.float32)
         data["sample_mask"] = jnp.where(keep_b, batch["sample_mask"], 0.0)
+    if flags.compute_prev_logprobs:  # before and after the threshold, over the whole batch
+        metrics |= losses.seq_error_metrics(
+            data["prev_logprobs"],
+            batch["generation_logprobs"],
+            batch["token_mask"],
+            batch["sample_mask"],
+            data["sample_mask"],
+        )
+    else:  # skipped prev forward: 0.0 placeholders (e_b >= 1, so 0.0 is never a measurement)
+        metrics |= dict.fromkeys(losses.SEQ_ERROR_METRICS, jnp.zeros((), jnp.float32))
     adv_cfg = dataclasses.replace(flags.advantage, **hparams["advantage"])
     kl_bt = None
     if flags.loss.use_kl_in_reward:
-        beta = hparams["loss"]["reference_policy_kl_penalty"]
-        x_bt = data["reference_logprobs"] - data["prev_logprobs"]
-        kl_bt = beta * losses.kl_estimator(x_bt, flags.loss.reference_policy_kl_type)
+        loss_cfg = dataclasses.replace(flags.loss, **hparams["loss"])
+        kl_bt = losses.kl_in_reward(data["prev_logprobs"], data["reference_logprobs"], loss_cfg)
     data["advantages"] = losses.compute_token_advantages(
         batch["rewards"],
         batch["group_ids"],

@@ -9,8 +9,8 @@ import pytest
 from conftest import make_rollout_batch
 from flax import nnx
 
-from jgrpo import sharding, step
-from jgrpo.config import load_config
+from jgrpo import losses, sharding, step
+from jgrpo.config import ConfigError, load_config
 from jgrpo.models import Transformer, TransformerConfig
 
 MODEL = TransformerConfig(
@@ -122,6 +122,14 @@ def grads_for(num_microbatches, overrides=()):
         ["loss.reference_policy_kl_penalty=0.1"],
         ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
         ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+        [
+            "loss.aggregation=seq_mean",
+            "loss.sequence_level_importance_ratios=true",
+            "loss.use_importance_sampling_correction=true",
+            "loss.truncated_importance_sampling_type=tis",
+            "loss.truncated_importance_sampling_ratio=1.5",
+            "grpo.seq_logprob_error_threshold=1.9",
+        ],
     ],
 )
 def test_microbatch_count_does_not_change_loss_or_gradients(overrides):
@@ -226,3 +234,92 @@ def test_steps_raise_logprob_of_positive_advantage_completions():
     for _ in range(5):
         state, _ = fn(state, batch, hp, ref)
     assert mean_logprob(state.params) > start + 0.1
+
+
+def widen_prompts(batch, extra):
+    """The same rows with `extra` more left-padding columns (a larger prompt bucket)."""
+    pad = lambda x, value=0: np.pad(x, ((0, 0), (extra, 0)), constant_values=value)
+    out = dict(batch)
+    for key in ("input_ids", "attention_mask", "token_mask"):
+        out[key] = pad(batch[key])
+    out["generation_logprobs"] = pad(batch["generation_logprobs"], -3.0)
+    return out
+
+
+def test_seq_sum_norm_does_not_depend_on_the_prompt_bucket():
+    overrides = ["loss.aggregation=seq_sum_norm", "loss.reference_policy_kl_penalty=0.1"]
+
+    def grads_at(extra):
+        fn, state, ref, hp, _, mesh, graphdef, flags = build(overrides)
+        assert flags.loss.generation_budget == 256  # rollout.max_new_tokens, not the width
+        batch = sharding.shard_batch(widen_prompts(make_rollout_batch(0), extra), mesh)
+        data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+        grads, metrics = jax.jit(
+            lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
+        )(state.params, data)
+        return jax.tree.map(np.asarray, grads), float(metrics["loss/total"])
+
+    (g0, l0), (g1, l1) = grads_at(0), grads_at(19)
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(g0)) > 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8), g1, g0)
+
+
+def test_generation_budget_comes_from_the_rollout_and_is_validated():
+    cfg = load_config(None, ["rollout.max_new_tokens=17", "loss.aggregation=seq_sum_norm"])
+    assert step.StepFlags.from_config(cfg).loss.generation_budget == 17
+    cfg = load_config(None, ["rollout.max_new_tokens=17", "loss.generation_budget=40"])
+    assert step.StepFlags.from_config(cfg).loss.generation_budget == 40
+    with pytest.raises(ConfigError, match="loss.generation_budget"):
+        load_config(None, ["loss.generation_budget=0"])
+
+
+def test_kl_in_reward_is_clamped_in_the_step():
+    beta, c_in, c_out = 0.5, 0.05, 0.002
+    fn, state, ref, hp, batch, mesh, graphdef, flags = build(
+        [
+            "grpo.advantage.estimator=reinforce_plus_plus",
+            "loss.use_kl_in_reward=true",
+            f"loss.reference_policy_kl_penalty={beta}",
+            f"loss.kl_input_clamp_value={c_in}",
+            f"loss.kl_output_clamp_value={c_out}",
+        ]
+    )
+    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    lo, lr = (np.asarray(data[k], np.float64) for k in ("prev_logprobs", "reference_logprobs"))
+    x = np.clip(lr - lo, -c_in, c_in)
+    kl = beta * np.clip(np.exp(x) - 1 - x, -c_out, c_out)
+    m = np.asarray(batch["token_mask"]) > 0
+    assert (np.abs(lr - lo)[m] > c_in).any()  # the clamps bite on this batch
+    host = make_rollout_batch(0)
+    want = losses.compute_token_advantages(
+        host["rewards"],
+        host["group_ids"],
+        host["token_mask"],
+        flags.advantage,
+        kl_bt=jnp.asarray(kl, jnp.float32),
+        sample_mask_b=host["sample_mask"],
+    )
+    np.testing.assert_allclose(np.asarray(data["advantages"]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_seq_error_metrics_are_reported_before_and_after_the_threshold():
+    fn, state, ref, hp, batch, mesh, graphdef, flags = build(
+        ["grpo.seq_logprob_error_threshold=100.0"]
+    )
+    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    host = make_rollout_batch(0)
+    lo, lg = np.asarray(data["prev_logprobs"], np.float64), host["generation_logprobs"]
+    m = host["token_mask"] * host["sample_mask"][:, None]
+    e = (np.exp(np.abs(lg - lo)) * m).sum(1) / m.sum(1)
+    threshold = float(np.median(e))
+    hp = {**hp, "seq_logprob_error_threshold": jnp.float32(threshold)}
+    data, metrics = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    kept = e <= threshold
+    assert 0 < kept.sum() < len(e)
+    assert float(metrics["logprob/num_masked_seqs_by_logprob_error"]) == (~kept).sum()
+    np.testing.assert_array_equal(np.asarray(data["sample_mask"]), kept.astype(np.float32))
+    for part, rows in [("", np.ones_like(kept)), ("_kept", kept)]:
+        for stat, fn_ in [("max", np.max), ("mean", np.mean), ("min", np.min)]:
+            key = f"logprob/seq_error{part}_{stat}"
+            np.testing.assert_allclose(float(metrics[key]), fn_(e[rows]), rtol=1e-5, err_msg=key)

@@ -104,3 +104,32 @@ def test_validation_pass_at_k_groups_samples_by_example():
     metrics = train.validate(t, 0)
     assert metrics["val/accuracy"] == pytest.approx(2 / 3)
     assert metrics["val/reward_mean"] == pytest.approx(5 / 12)
+
+
+@pytest.mark.slow  # two one-step runs of configs/tiny.yaml
+def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, monkeypatch):
+    # the same rollouts padded to prompt buckets 8 and 64: seq_sum_norm divides by the
+    # generation budget (rollout.max_new_tokens), not the padded width (1.197 vs 0.266 before).
+    # A length reward makes every group informative (the untrained model solves nothing).
+    (tmp_path / "length_reward.py").write_text(
+        "def length(prompt, completion, example):\n    return float(len(completion) % 3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    overrides = [
+        *QUIET,
+        "grpo.max_num_steps=1",
+        "loss.aggregation=seq_sum_norm",
+        "data.task_reward_weight=0.0",
+        "data.reward_functions=[{function: 'length_reward:length'}]",
+    ]
+    runs = {}
+    for bucket in (8, 64):
+        cfg = load_config(TINY, [*overrides, f"rollout.prompt_bucket={bucket}"])
+        train.run(cfg, tmp_path / str(bucket))
+        (runs[bucket],) = read_metrics(tmp_path / str(bucket))
+    assert runs[8]["reward/frac_groups_all_equal"] < 1.0
+    assert runs[8]["reward/mean"] == runs[64]["reward/mean"]  # the same rollouts
+    assert runs[8]["train/grad_norm"] > 1e-3
+    assert runs[64]["train/grad_norm"] == pytest.approx(runs[8]["train/grad_norm"], rel=1e-5)
+    assert runs[64]["loss"] == pytest.approx(runs[8]["loss"], rel=1e-5, abs=1e-7)
