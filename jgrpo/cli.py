@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import warnings
@@ -104,6 +105,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    # orbax reports a damaged step it skips through absl warnings; the CLI says it in one line.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -124,9 +127,11 @@ def _dispatch(args) -> int:
     if args.command == "plot":
         return _plot(args)
     if args.command == "export":
-        from jgrpo.export import export_checkpoint
+        from jgrpo.export import check_checkpoint_source, export_checkpoint
 
         check_output_folder(args.out, args.overwrite, "export")
+        cfg = check_checkpoint_source(args.run_dir)
+        _check_model_and_data(cfg, data=False)
         print(export_checkpoint(args.run_dir, args.out, overwrite=args.overwrite))
         return 0
 
@@ -142,7 +147,10 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "eval":
         _check_model_and_data(cfg)
-        from jgrpo.export import evaluate
+        from jgrpo.export import check_checkpoint_source, evaluate
+
+        if args.checkpoint is not None:
+            check_checkpoint_source(args.checkpoint, cfg)
 
         result = evaluate(cfg, args.checkpoint)
         print(json.dumps(result))
@@ -192,13 +200,15 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
         )
 
 
-def _check_model_and_data(cfg) -> None:
+def _check_model_and_data(cfg, data: bool = True) -> None:
     """The checks that need no jax: model folder (headers, shapes, tokenizer) and data."""
     from jgrpo.models.sources import check_model_path
-    from jgrpo.tasks import make_task
 
     check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
-    make_task(cfg.data, cfg.grpo.seed)
+    if data:
+        from jgrpo.tasks import make_task
+
+        make_task(cfg.data, cfg.grpo.seed)
 
 
 def run_folder_kind(run_dir: Path) -> str:
@@ -285,8 +295,11 @@ def _train(cfg, args) -> int:
         import shutil
 
         shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_MARKER).touch()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_MARKER).touch()
+    except OSError as e:
+        raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
     except train.RunStopped as e:

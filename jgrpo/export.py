@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flax import nnx
-
-from jgrpo import step
-from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch
 from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
-from jgrpo.models import from_pretrained, save_pretrained
 from jgrpo.models.sources import atomic_folder, resolve_model_path
+
+# jax, flax and orbax are imported inside the functions: `check_checkpoint_source` (the CLI's
+# pre-flight of export and eval) rejects a wrong path before they load.
 
 
 def _locate(path) -> tuple[Path, Path, int | None]:
@@ -42,10 +40,29 @@ def load_run_config(run_dir: Path) -> Config:
         raise ConfigError(f"run config {str(file)!r}: {e}") from None
 
 
-def load_checkpoint_model(path, cfg: Config | None = None):
-    """(model with the checkpoint's params, model folder, config)."""
+def check_checkpoint_source(path, cfg: Config | None = None) -> Config:
+    """Cheap checks of a run or step folder (and its config.yaml unless `cfg`); the config."""
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
+    if ckpt_step is None and not any(
+        p.name.isdigit() and (p / "commit_success.txt").is_file() for p in ckpt_dir.iterdir()
+    ):
+        raise ConfigError(f"{str(ckpt_dir)!r}: no complete checkpoint")
+    return cfg
+
+
+def load_checkpoint_model(path, cfg: Config | None = None):
+    """(model with the checkpoint's params, model folder, config)."""
+    from flax import nnx
+
+    from jgrpo import step
+    from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
+    from jgrpo.models import from_pretrained
+
+    run_dir, ckpt_dir, ckpt_step = _locate(path)
+    cfg = cfg or load_run_config(run_dir)
+    if ckpt_step is None and not complete_steps(ckpt_dir):
+        raise CheckpointError(f"{str(ckpt_dir)!r}: no complete checkpoint")
     with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
         if ckpt_step is not None:
             reason = checkpointer.verify(ckpt_step)
@@ -79,6 +96,8 @@ def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ConfigError(f"export: {str(out)!r} is not empty; pass overwrite to replace it")
+    from jgrpo.models import save_pretrained
+
     model, folder, _ = load_checkpoint_model(path)
     with atomic_folder(out, overwrite=True) as tmp:
         save_pretrained(model, tmp, source=folder)
@@ -87,6 +106,9 @@ def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
     """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
+    from flax import nnx
+
+    from jgrpo.models import from_pretrained
     from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
     from jgrpo.tasks import make_task
 

@@ -68,6 +68,10 @@ def check_run(cfg: Config) -> None:
     check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
     sharding.make_rules(cfg.mesh)
     step.check_batch_split(cfg, jax.device_count())
+    if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
+        from jgrpo.rollout.ray_backend import check_ray_address
+
+        check_ray_address(cfg.rollout.ray_address)
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:

@@ -74,7 +74,7 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> b
     if ray.is_initialized():
         return False
     if address is not None:
-        _check_reachable(address)
+        check_ray_address(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray >= 2.5x warns on every new local cluster that token auth is on by default: keep the
     # (secure) default, drop the banner.
@@ -105,8 +105,9 @@ RAY_CONNECT_TIMEOUT_S = 5.0
 """How long init_ray waits for a TCP connection to rollout.ray_address's host:port."""
 
 
-def _check_reachable(address: str) -> None:
-    """Fail in RAY_CONNECT_TIMEOUT_S, not ray.init's ~25 s, when host:port does not answer."""
+def check_ray_address(address: str) -> None:
+    """ConfigError within RAY_CONNECT_TIMEOUT_S (not ray.init's ~25 s) when the host:port of
+    `address` does not accept a TCP connection; the pre-flight (train.check_run) calls it."""
     import socket
 
     target = address.removeprefix("ray://")
