@@ -454,3 +454,43 @@ def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsy
     from jgrpo.checkpoint import verify_step
 
     assert verify_step(killed / "checkpoints" / "6") is None  # saved again, intact
+
+
+def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, tmp_path):
+    import jax
+    from flax import nnx
+
+    from jgrpo import step
+    from jgrpo.checkpoint import Checkpointer
+    from jgrpo.config import load_config, to_dict
+    from jgrpo.models import from_pretrained
+    from jgrpo.models.hf import read_hf_weights
+    from jgrpo.models.sources import resolve_model_path
+
+    cfg = load_config(TINY)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    model = from_pretrained(resolve_model_path(cfg.model.path))
+    params = jax.tree.map(lambda x: x + 0.25, nnx.to_pure_dict(nnx.state(model)))
+    with Checkpointer(run / "checkpoints") as ckpt:
+        ckpt.save(2, step.init_train_state(params, step.make_optimizer(cfg)), {"step": 2})
+
+    out = tmp_path / "out"  # an older sharded export: loading it would give the OLD weights
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    before = sorted(p.name for p in out.iterdir())
+    code, _, err = run_cli(capsys, "export", str(run), str(out))
+    assert code == 2 and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == before
+
+    code, _, err = run_cli(capsys, "export", str(run), str(out), "--overwrite")
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    assert not names & {"model.safetensors.index.json", "model-00001-of-00002.safetensors"}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    exported = read_hf_weights(out)["model.embed_tokens.weight"]
+    base = read_hf_weights(resolve_model_path(cfg.model.path))["model.embed_tokens.weight"]
+    np.testing.assert_allclose(exported, base + 0.25, atol=1e-6)
