@@ -80,8 +80,9 @@ class CheckpointError(ConfigError):
     """No intact checkpoint to restore (one line naming the folder and why)."""
 
 
-class CheckpointMismatch(ValueError):
-    """The restore target's tree, shapes or dtypes differ from the saved checkpoint."""
+class CheckpointMismatch(ConfigError):
+    """The restore target's tree, shapes or dtypes differ from the saved checkpoint (the model
+    or optimizer changed since it was saved); a ValueError, as ConfigError is."""
 
 
 def _digest(path: Path) -> str:
