@@ -325,6 +325,18 @@ CASES = [
         "not a run folder",
         True,
     ),
+    (
+        "inspect-config-garbage",
+        ["inspect-step", "--config", TINY, M + "cfg_garbage", "--no-compile"],
+        "not valid JSON",
+        False,
+    ),
+    (
+        "inspect-config-list",
+        ["inspect-step", "--config", TINY, M + "cfg_list", "--no-compile"],
+        "JSON object",
+        False,
+    ),
     # rollout.ray_address that refuses connections
     (
         "ray-unreachable",

@@ -53,7 +53,8 @@ def read_json_file(path: Path) -> Any:
         _fail(path, f"is not valid JSON (line {e.lineno}: {e.msg})")
 
 
-def _hf_config(folder: Path) -> dict:
+def read_hf_config(folder: Path) -> dict:
+    """config.json of `folder`, checked (mapping, positive sizes, heads that divide)."""
     path = folder / "config.json"
     hf = read_json_file(path)
     if not isinstance(hf, dict):
@@ -230,7 +231,7 @@ def check_hf_folder(folder: str | Path, sequence_length: Optional[int] = None) -
     if stamp in _PASSED:
         check_sequence_length(_PASSED[stamp], sequence_length, folder / "config.json")
         return _PASSED[stamp]
-    hf = _hf_config(folder)
+    hf = read_hf_config(folder)
     shapes, where = _weight_shapes(folder)
     for name, want in hf_tensor_shapes(hf).items():
         if name not in shapes:
