@@ -136,11 +136,12 @@ def truncate_metrics(run_dir_or_file: str | Path, last_step: int) -> list[dict]:
     """Atomically drop the lines with step > `last_step`; returns the lines kept.
 
     Damaged lines (torn by a crash anywhere in the file, not only the last) are dropped too,
-    with one warning naming them; the intact lines are kept."""
+    the intact lines kept; damaged lines before the last one are named in one warning (a torn
+    last line is the usual trace of a kill mid-write and goes silently)."""
     path = _metrics_path(run_dir_or_file)
-    rows, bad, _ = _scan(path)
+    rows, bad, last = _scan(path)
     rows = [r for r in rows if r["step"] <= last_step]
-    if bad:
+    if [n for n in bad if n != last]:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
         warnings.warn(
             f"{path}: dropped {len(bad)} damaged line(s) (line {shown}); kept the intact lines "

@@ -473,3 +473,39 @@ def test_documented_mesh_rules_load():
     from jgrpo.sharding import make_rules
 
     assert make_rules(cfg.mesh)["embed"] is None and make_rules(cfg.mesh)["mlp"] == "fsdp"
+
+
+def test_torn_middle_line_is_dropped_on_resume_and_named(tmp_path):
+    from jgrpo.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        b'{"step": 1, "loss": 1.0}\n{"step": 2, "lo\n\xff\xfe\n{"step": 3, "loss": 0.5}\n'
+        b'{"step": 4, "loss": 0.25}\n{"step": 5, "lo'
+    )
+    with pytest.warns(UserWarning, match=r"dropped 3 damaged line\(s\) \(line 2, 3, 6\)"):
+        kept = truncate_metrics(path, 3)
+    assert kept == [{"step": 1, "loss": 1.0}, {"step": 3, "loss": 0.5}]
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 3, "loss": 0.5}\n'
+
+
+def test_resume_may_change_only_the_listed_keys():
+    from jgrpo.config import ConfigError, check_resume_compatible
+
+    saved = to_dict(load_config(TINY))
+    allowed = [
+        "grpo.max_num_steps=9",
+        "logging.plot=true",
+        "checkpoint.save_period=5",
+        "mesh.data=2",
+    ]
+    check_resume_compatible(saved, load_config(TINY, allowed))
+    for override, key in [
+        ("grpo.seed=1", "grpo.seed"),
+        ("model.path=/elsewhere", "model.path"),
+        ("optim.learning_rate=0.5", "optim.learning_rate"),
+        ("rollout.temperature=0.5", "rollout.temperature"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"{key}: .* -> ") as e:
+            check_resume_compatible(saved, load_config(TINY, [*allowed, override]))
+        assert "grpo.max_num_steps" in str(e.value) and "\n" not in str(e.value)
