@@ -1,19 +1,47 @@
-"""`jgrpo` command line: argv -> config -> library call. No logic of its own.
+"""`jgrpo` command line: argv -> config -> library call, and the run folder's safety rules.
 
 Commands: train, eval, export, inspect-step, convert-gguf, plot. Every invalid input ends with
-exit code 2 and one line on stderr naming the key or file, before any model loads.
+exit code 2 and one line on stderr naming the key or file, before any model loads; the checks
+that need no jax (config, run folder, model folder, data) run before jax is imported, so a
+rejected invocation takes well under a second. Ctrl-C exits 130 with one line. Warnings print
+as one line each (`jgrpo: warning: ...`).
+
+Run folders: `train` writes the marker file `.jgrpo-run` into every run folder it creates.
+`--fresh` deletes a folder only when it is recognisably a jgrpo run: it holds the marker,
+config.yaml, metrics.jsonl or checkpoints/, and nothing else than the entries a run writes
+(:data:`RUN_ENTRIES`); it deletes only after every check passed, and never with `--resume`.
+A non-empty folder that is not a run is never trained into either.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import warnings
 from datetime import datetime
 from pathlib import Path
 
-from jgrpo.config import ConfigError, format_config, load_config
+from jgrpo.config import ConfigError, check_resume_compatible, format_config, load_config, read_yaml
+
+RUN_MARKER = ".jgrpo-run"
+"""Empty file `train` writes into each run folder it creates."""
+RUN_ENTRIES = frozenset(
+    {
+        RUN_MARKER,
+        "config.yaml",
+        "metrics.jsonl",
+        "metrics.jsonl.tmp",
+        "checkpoints",
+        "tb",
+        "plots",
+        "summary.json",
+        "wandb",
+    }
+)
+"""Every name a jgrpo run writes at the top of its folder."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,11 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="checkpoint -> HF folder")
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
     ex.add_argument("out", help="output HF folder")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (atomically)")
 
     conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder")
     conv.add_argument("src")
     conv.add_argument("out")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    conv.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
     plot = sub.add_parser("plot", help="PNG curves of a run")
     plot.add_argument("run_dir")
@@ -58,38 +88,51 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    text = str(message).strip().splitlines()
+    print(f"jgrpo: warning: {text[0] if text else category.__name__}", file=sys.stderr)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input: ConfigError and file errors, plus ModelFormatError
+    when the model code was imported (importing it here would import jax)."""
+    kinds: list[type[BaseException]] = [ConfigError, FileNotFoundError, FileExistsError]
+    hf = sys.modules.get("jgrpo.models.hf")
+    if hf is not None:
+        kinds.append(hf.ModelFormatError)
+    return tuple(kinds)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from jgrpo.models.hf import ModelFormatError
-
+    # orbax reports a damaged step it skips through absl warnings; the CLI says it in one line.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = _one_line_warning
             return _dispatch(args)
-    except (ConfigError, ModelFormatError, FileNotFoundError) as e:
-        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        print("jgrpo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
+        return _fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
 
 
 def _dispatch(args) -> int:
     if args.command == "convert-gguf":
-        from jgrpo.models.gguf import convert_gguf
-
-        if not Path(args.src).is_file():
-            raise ConfigError(f"convert-gguf: {args.src!r} does not exist")
-        print(convert_gguf(args.src, args.out, dtype=args.dtype))
-        return 0
+        return _convert_gguf(args)
     if args.command == "plot":
-        from jgrpo.metrics import plot_run
-
-        if not (Path(args.run_dir) / "metrics.jsonl").is_file():
-            raise ConfigError(f"plot: {args.run_dir!r} has no metrics.jsonl")
-        for path in plot_run(args.run_dir):
-            print(path)
-        return 0
+        return _plot(args)
     if args.command == "export":
-        from jgrpo.export import export_checkpoint
+        from jgrpo.export import check_checkpoint_source, export_checkpoint
 
-        print(export_checkpoint(args.run_dir, args.out))
+        check_output_folder(args.out, args.overwrite, "export")
+        cfg = check_checkpoint_source(args.run_dir)
+        _check_model_and_data(cfg, data=False)
+        print(export_checkpoint(args.run_dir, args.out, overwrite=args.overwrite))
         return 0
 
     cfg = load_config(args.config, args.overrides)
@@ -103,12 +146,127 @@ def _dispatch(args) -> int:
         print(json.dumps(report))
         return 0
     if args.command == "eval":
-        from jgrpo.export import evaluate
+        _check_model_and_data(cfg)
+        from jgrpo.export import check_checkpoint_source, evaluate
+
+        if args.checkpoint is not None:
+            check_checkpoint_source(args.checkpoint, cfg)
 
         result = evaluate(cfg, args.checkpoint)
         print(json.dumps(result))
         return 0
     return _train(cfg, args)
+
+
+def _convert_gguf(args) -> int:
+    src = Path(args.src)
+    if not src.is_file():
+        raise ConfigError(f"convert-gguf: {args.src!r} does not exist")
+    check_output_folder(args.out, args.overwrite, "convert-gguf")
+    from jgrpo.models.gguf import convert_gguf
+
+    try:
+        out = convert_gguf(src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    except ValueError as e:
+        raise ConfigError(f"convert-gguf: {e}") from None
+    print(out)
+    return 0
+
+
+def _plot(args) -> int:
+    from jgrpo.metrics import plot_run, read_metrics
+
+    file = Path(args.run_dir) / "metrics.jsonl"
+    if not file.is_file():
+        raise ConfigError(f"plot: {args.run_dir!r} has no metrics.jsonl")
+    if not read_metrics(file):
+        raise ConfigError(f"plot: {str(file)!r} holds no metrics lines")
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
+def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
+    """OUT of export / convert-gguf: absent or an empty folder, or `overwrite` of a folder."""
+    out = Path(out)
+    for parent in out.absolute().parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{what}: {str(out)!r} lies under the file {str(parent)!r}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{what}: {str(out)!r} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(
+            f"{what}: {str(out)!r} is not empty; pass --overwrite to replace it (atomically)"
+        )
+
+
+def _check_model_and_data(cfg, data: bool = True) -> None:
+    """The checks that need no jax: model folder (headers, shapes, tokenizer) and data."""
+    from jgrpo.models.sources import check_model_path
+
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    if data:
+        from jgrpo.tasks import make_task
+
+        make_task(cfg.data, cfg.grpo.seed)
+
+
+def run_folder_kind(run_dir: Path) -> str:
+    """ "absent", "empty", "run" (only entries a jgrpo run writes) or "foreign:<name>"."""
+    if not run_dir.exists():
+        return "absent"
+    names = sorted(p.name for p in run_dir.iterdir())
+    if not names:
+        return "empty"
+    foreign = [n for n in names if n not in RUN_ENTRIES]
+    if foreign:
+        return f"foreign:{foreign[0]}"
+    if {RUN_MARKER, "config.yaml", "metrics.jsonl", "checkpoints"} & set(names):
+        return "run"
+    return f"foreign:{names[0]}"
+
+
+def check_run_dir(run_dir: Path, resume: bool, fresh: bool) -> None:
+    """--run-dir / --resume / --fresh rules; raises ConfigError, touches nothing."""
+    if resume and fresh:
+        raise ConfigError("--resume and --fresh: choose one (--fresh would delete the run)")
+    where = str(run_dir)
+    for parent in run_dir.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--run-dir: {where!r} lies under the file {str(parent)!r}")
+            if not run_dir.exists() and not os.access(parent, os.W_OK | os.X_OK):
+                raise ConfigError(
+                    f"--run-dir: cannot create {where!r}: {str(parent)!r} is not writable"
+                )
+            break
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir: {where!r} is a file, not a folder")
+    if run_dir.exists() and not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"--run-dir: {where!r} is not writable")
+    kind = run_folder_kind(run_dir)
+    if resume:
+        if not (run_dir / "checkpoints").is_dir():
+            raise ConfigError(f"--resume: {where!r} has no checkpoints/ folder")
+        return
+    if kind.startswith("foreign:"):
+        raise ConfigError(
+            f"--run-dir: {where!r} is not a jgrpo run folder (it holds "
+            f"{kind.removeprefix('foreign:')!r}); choose an empty or new folder"
+            + ("; --fresh deletes only run folders" if fresh else "")
+        )
+    if kind == "run" and not fresh and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"--run-dir: {where!r} already holds a run; pass --resume to continue it "
+            "or --fresh to delete it"
+        )
+
+
+def _check_resume_config(cfg, run_dir: Path) -> None:
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume: {str(saved)!r} does not exist (cannot compare configs)")
+    check_resume_compatible(read_yaml(saved, "run config"), cfg, repr(str(saved)))
 
 
 def _fresh_run_dir(root: Path) -> Path:
@@ -124,21 +282,24 @@ def _train(cfg, args) -> int:
     if args.show_config:
         print(format_config(cfg))
         return 0
+    run_dir = Path(args.run_dir) if args.run_dir else _fresh_run_dir(Path("runs"))
+    check_run_dir(run_dir, args.resume, args.fresh)
+    if args.resume:
+        _check_resume_config(cfg, run_dir)
+    _check_model_and_data(cfg)
     from jgrpo import train
 
     train.check_run(cfg)
-    run_dir = Path(args.run_dir) if args.run_dir else _fresh_run_dir(Path("runs"))
-    if args.resume and not (run_dir / "checkpoints").is_dir():
-        raise ConfigError(f"--resume: {str(run_dir)!r} has no checkpoints/ folder")
-    if not (args.resume or args.fresh) and (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(
-            f"--run-dir: {str(run_dir)!r} already holds a run; pass --resume to continue it "
-            "or --fresh to delete it"
-        )
-    if args.fresh and run_dir.exists():
+    # Every check passed: only now may --fresh delete (a recognised run folder, see above).
+    if args.fresh and run_folder_kind(run_dir) == "run":
         import shutil
 
         shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_MARKER).touch()
+    except OSError as e:
+        raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
     except train.RunStopped as e:

@@ -370,7 +370,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
             raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -457,19 +457,58 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that rejects a key repeated in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:  # an unhashable key: the base class reports it
+                    break
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: str | Path, what: str = "config file") -> Any:
+    """Parse YAML file `path` strictly: UTF-8, no duplicate keys; ConfigError naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} is a folder, not a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what} {str(path)!r} is not UTF-8 text (byte {e.start}); is it a binary file?"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None)
+        detail = f": {problem}" if problem and "duplicate key" in problem else ""
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML{where}{detail}") from None
+
+
 def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:
     """Read YAML `path` (None = defaults), apply dotted overrides, build and validate."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f" (line {line + 1})" if line is not None else ""
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}") from None
+        data = read_yaml(path)
+        if data is None:
+            data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
     data = apply_overrides(data, list(overrides))
@@ -479,6 +518,20 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
 
 
 # ----------------------------------------------------------------------------- validation
+
+
+MAX_SEED = 2**32 - 1
+"""grpo.seed: numpy and jax seeds are 32-bit."""
+MAX_OPERAND = 10**9
+"""data.max_operand: arithmetic prompts stay short and exact in int64."""
+MAX_SEQUENCE = 2**17
+"""rollout.prompt_bucket, rollout.max_new_tokens and their sum (131072 tokens)."""
+MAX_BATCH_ROWS = 2**16
+"""P x G rows of one rollout batch."""
+MAX_BATCH_TOKENS = 2**27
+"""P x G x (prompt_bucket + max_new_tokens): 0.5 GiB per int32 array of the batch."""
+MAX_VAL_EXAMPLES = 100_000
+"""data.num_val_examples."""
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -514,6 +567,38 @@ def validate(cfg: Config) -> Config:
         ("data.max_operand", cfg.data.max_operand),
     ]:
         _require(value >= 0, f"{key}: must be >= 0, got {value}")
+    # upper bounds: values past these are typos that would exhaust memory or time, not runs
+    for key, value, high in [
+        ("grpo.seed", g.seed, MAX_SEED),
+        ("data.max_operand", cfg.data.max_operand, MAX_OPERAND),
+        ("data.num_terms", cfg.data.num_terms, 64),
+        ("data.countdown_num_numbers", cfg.data.countdown_num_numbers, 16),
+        ("data.num_val_examples", cfg.data.num_val_examples, MAX_VAL_EXAMPLES),
+        ("rollout.prompt_bucket", ro.prompt_bucket, MAX_SEQUENCE),
+        ("rollout.max_new_tokens", ro.max_new_tokens, MAX_SEQUENCE),
+        ("grpo.num_prompts_per_step", g.num_prompts_per_step, MAX_BATCH_ROWS),
+        ("grpo.num_generations_per_prompt", g.num_generations_per_prompt, MAX_BATCH_ROWS),
+        ("grpo.val_pass_k", g.val_pass_k, 1024),
+        ("rollout.num_workers", ro.num_workers, 4096),
+    ]:
+        _require(value <= high, f"{key}: must be <= {high}, got {value}")
+    _require(g.seed >= 0, f"grpo.seed: must be >= 0, got {g.seed}")
+    seq = ro.prompt_bucket + ro.max_new_tokens
+    _require(
+        seq <= MAX_SEQUENCE,
+        f"rollout.prompt_bucket + rollout.max_new_tokens: must be <= {MAX_SEQUENCE}, got {seq}",
+    )
+    _require(
+        g.batch_size <= MAX_BATCH_ROWS,
+        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt: must be <= "
+        f"{MAX_BATCH_ROWS} rows, got {g.batch_size}",
+    )
+    _require(
+        g.batch_size * seq <= MAX_BATCH_TOKENS,
+        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt x (rollout.prompt_bucket "
+        f"+ rollout.max_new_tokens): must be <= {MAX_BATCH_TOKENS} tokens, got "
+        f"{g.batch_size * seq}",
+    )
     _require(
         set(cfg.data.operators) <= set("+-*") and cfg.data.operators != "",
         f"data.operators: {cfg.data.operators!r} must be a non-empty subset of '+-*'",
@@ -694,6 +779,65 @@ def validate(cfg: Config) -> Config:
         "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
     )
     return cfg
+
+
+# ----------------------------------------------------------------------------- resume
+
+RESUME_MAY_CHANGE = (
+    "grpo.max_num_steps",
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "grpo.val_at_end",
+    "grpo.num_microbatches",
+    "data.reward_timeout_s",
+    "rollout.backend",
+    "rollout.num_workers",
+    "rollout.ray_address",
+    "rollout.max_worker_failures",
+    "rollout.num_cpus_per_worker",
+    "rollout.num_gpus_per_worker",
+    "mesh.*",
+    "checkpoint.*",
+    "logging.*",
+)
+"""Keys a `--resume` may change: how long, how often, where and how it is logged or placed.
+Every other key changes the math of the steps already trained (model, data, seed, loss,
+optimizer, sampling), so a resume with a different value is rejected."""
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out |= _flat(value, f"{prefix}{key}.")
+        return out
+    return {prefix.removesuffix("."): tree}
+
+
+def _resume_may_change(key: str) -> bool:
+    return any(
+        key == k or (k.endswith(".*") and key.startswith(k.removesuffix("*")))
+        for k in RESUME_MAY_CHANGE
+    )
+
+
+def check_resume_compatible(saved: Any, cfg: Config, source: str = "the saved config") -> None:
+    """Raise ConfigError naming the keys where `cfg` differs from the run's saved config
+    (`saved`: the dict of RUN_DIR/config.yaml) and a resume may not change them."""
+    try:
+        old = to_dict(validate(from_dict(Config, saved)))
+    except ConfigError as e:
+        raise ConfigError(f"--resume: {source} is not a valid config ({e})") from None
+    old_flat, new_flat = _flat(old), _flat(to_dict(cfg))
+    differ = [k for k in new_flat if old_flat.get(k) != new_flat[k]]
+    fixed = [k for k in differ if not _resume_may_change(k)]
+    if fixed:
+        shown = "; ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat[k]!r}" for k in fixed[:4])
+        more = f" (+{len(fixed) - 4} more)" if len(fixed) > 4 else ""
+        raise ConfigError(
+            f"--resume: the config differs from {source} in keys a resume may not change: "
+            f"{shown}{more}; a resume may change only {', '.join(RESUME_MAY_CHANGE)}"
+        )
 
 
 # ----------------------------------------------------------------------------- docs

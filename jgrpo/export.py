@@ -2,65 +2,113 @@
 
 A run folder holds config.yaml (the resolved config) and checkpoints/<step>/; the policy
 architecture and tokenizer come from the config's model.path, the weights from the checkpoint.
+
+A run folder resolves to its newest intact checkpoint (a damaged newer one is skipped with a
+one-line warning, see jgrpo.checkpoint); a step folder given explicitly must verify. Export
+writes the whole HF folder beside OUT and renames it into place, so an existing OUT (only with
+overwrite) is replaced at once and never mixes old and new shards.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-from flax import nnx
+from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
+from jgrpo.models.sources import atomic_folder, resolve_model_path
 
-from jgrpo import step
-from jgrpo.checkpoint import Checkpointer, latest_complete_step
-from jgrpo.config import Config, ConfigError, from_dict, validate
-from jgrpo.models import from_pretrained, save_pretrained
-from jgrpo.models.sources import resolve_model_path
+# jax, flax and orbax are imported inside the functions: `check_checkpoint_source` (the CLI's
+# pre-flight of export and eval) rejects a wrong path before they load.
 
 
-def _locate(path) -> tuple[Path, Path, int]:
-    """(run folder, checkpoints folder, step) of a run folder or a checkpoint step folder."""
+def _locate(path) -> tuple[Path, Path, int | None]:
+    """(run folder, checkpoints folder, step or None = newest intact) of a run or step folder."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        run_dir, ckpt_dir = path, path / "checkpoints"
-        latest = latest_complete_step(ckpt_dir)
-        if latest is None:
-            raise ConfigError(f"{str(ckpt_dir)!r}: no complete checkpoint")
-        return run_dir, ckpt_dir, latest
-    if path.name.isdigit() and path.parent.name == "checkpoints":
+        return path, path / "checkpoints", None
+    if path.name.isdigit() and path.parent.name == "checkpoints" and path.is_dir():
         return path.parent.parent, path.parent, int(path.name)
     raise ConfigError(f"{str(path)!r}: not a run folder (with checkpoints/) or a checkpoint step")
 
 
 def load_run_config(run_dir: Path) -> Config:
     file = run_dir / "config.yaml"
-    if not file.is_file():
-        raise ConfigError(f"{str(file)!r} does not exist")
-    return validate(from_dict(Config, yaml.safe_load(file.read_text())))
+    try:
+        return validate(from_dict(Config, read_yaml(file, "run config")))
+    except ConfigError as e:
+        if str(e).startswith("run config"):
+            raise
+        raise ConfigError(f"run config {str(file)!r}: {e}") from None
+
+
+def check_checkpoint_source(path, cfg: Config | None = None) -> Config:
+    """Cheap checks of a run or step folder (and its config.yaml unless `cfg`); the config."""
+    run_dir, ckpt_dir, ckpt_step = _locate(path)
+    cfg = cfg or load_run_config(run_dir)
+    if ckpt_step is None and not any(
+        p.name.isdigit() and (p / "commit_success.txt").is_file() for p in ckpt_dir.iterdir()
+    ):
+        raise ConfigError(f"{str(ckpt_dir)!r}: no complete checkpoint")
+    return cfg
 
 
 def load_checkpoint_model(path, cfg: Config | None = None):
     """(model with the checkpoint's params, model folder, config)."""
+    from flax import nnx
+
+    from jgrpo import step
+    from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
+    from jgrpo.models import from_pretrained
+
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
-    folder = resolve_model_path(cfg.model.path)
-    model = from_pretrained(folder, dtype=cfg.model.dtype)
-    params = nnx.to_pure_dict(nnx.state(model))
-    tx = step.make_optimizer(cfg)
-    target = step.init_train_state(params, tx)
+    if ckpt_step is None and not complete_steps(ckpt_dir):
+        raise CheckpointError(f"{str(ckpt_dir)!r}: no complete checkpoint")
     with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
-        state, _ = checkpointer.restore(ckpt_step, target)
+        if ckpt_step is not None:
+            reason = checkpointer.verify(ckpt_step)
+            if reason is not None:
+                raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {reason}")
+        folder = resolve_model_path(cfg.model.path)
+        model = from_pretrained(folder, dtype=cfg.model.dtype)
+        params = nnx.to_pure_dict(nnx.state(model))
+        tx = step.make_optimizer(cfg)
+        target = step.init_train_state(params, tx)
+        try:
+            if ckpt_step is None:
+                restored = checkpointer.restore_latest_intact(target)
+                if restored is None:
+                    raise CheckpointError(f"{str(ckpt_dir)!r}: no complete checkpoint")
+                state = restored[0]
+            else:
+                state, _ = checkpointer.restore(ckpt_step, target)
+        except CheckpointMismatch as e:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
+            ) from None
     nnx.update(model, nnx.State(state.params))
     return model, folder, cfg
 
 
-def export_checkpoint(path, out) -> Path:
+def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:
+    """Write the checkpoint's policy as HF folder `out`, atomically.
+
+    Raises ConfigError if `out` exists and is not empty, unless `overwrite`."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise ConfigError(f"export: {str(out)!r} is not empty; pass overwrite to replace it")
+    from jgrpo.models import save_pretrained
+
     model, folder, _ = load_checkpoint_model(path)
-    return save_pretrained(model, out, source=folder)
+    with atomic_folder(out, overwrite=True) as tmp:
+        save_pretrained(model, tmp, source=folder)
+    return out
 
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
     """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
+    from flax import nnx
+
+    from jgrpo.models import from_pretrained
     from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
     from jgrpo.tasks import make_task
 

@@ -9,7 +9,6 @@ dead-code elimination), and per-device bytes of parameters, optimizer state and 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from flax import nnx
 from jgrpo import sharding, step
 from jgrpo.config import Config
 from jgrpo.models import Transformer, config_from_hf
+from jgrpo.models.preflight import read_hf_config
 from jgrpo.models.sources import resolve_model_path
 
 
@@ -29,7 +29,7 @@ def model_config_of(cfg: Config):
     folder = Path(cfg.model.path)
     if not (folder / "config.json").is_file():
         folder = resolve_model_path(cfg.model.path)
-    return config_from_hf(json.loads((folder / "config.json").read_text()), dtype=cfg.model.dtype)
+    return config_from_hf(read_hf_config(folder), dtype=cfg.model.dtype)
 
 
 def _abstract(tree, shardings):

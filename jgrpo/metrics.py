@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -62,22 +63,58 @@ def _metrics_path(run_dir_or_file: str | Path) -> Path:
     return path / METRICS_FILE if path.is_dir() else path
 
 
-def read_metrics(run_dir_or_file: str | Path) -> list[dict]:
-    """The lines of RUN_DIR/metrics.jsonl as dicts (a torn last line from a crash is skipped)."""
-    path = _metrics_path(run_dir_or_file)
+def _parse_line(line: str) -> Optional[dict]:
+    """A metrics line as a dict, or None unless it is {"step": int >= 0, key: number|null}."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    for key, value in row.items():
+        if key != "step" and value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return None
+    return row
+
+
+def _scan(path: Path) -> tuple[list[dict], list[int], int]:
+    """(well-formed rows, 1-based numbers of damaged lines, number of the last non-blank line)."""
     if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
+        return [], [], 0
+    rows, bad, last = [], [], 0
+    for i, raw in enumerate(path.read_bytes().split(b"\n")):
+        if not raw.strip():
             continue
+        last = i + 1
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
+            row = _parse_line(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            row = None
+        if row is None:
+            bad.append(i + 1)
+        else:
+            rows.append(row)
+    return rows, bad, last
+
+
+def read_metrics(run_dir_or_file: str | Path) -> list[dict]:
+    """The lines of RUN_DIR/metrics.jsonl as dicts (a torn last line from a crash is skipped).
+
+    A damaged line elsewhere (not UTF-8 JSON of the form the logger writes) raises
+    ConfigError naming the file and line."""
+    path = _metrics_path(run_dir_or_file)
+    rows, bad, last = _scan(path)
+    inner = [n for n in bad if n != last]
+    if inner:
+        more = f" (and {len(inner) - 1} more)" if len(inner) > 1 else ""
+        raise ConfigError(
+            f"{str(path)!r} line {inner[0]}{more}: not a metrics line (a JSON object with an "
+            f"integer step and numeric or null values)"
+        )
     return rows
 
 
@@ -96,9 +133,21 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def truncate_metrics(run_dir_or_file: str | Path, last_step: int) -> list[dict]:
-    """Atomically drop the lines with step > `last_step`; returns the lines kept."""
+    """Atomically drop the lines with step > `last_step`; returns the lines kept.
+
+    Damaged lines (torn by a crash anywhere in the file, not only the last) are dropped too,
+    the intact lines kept; damaged lines before the last one are named in one warning (a torn
+    last line is the usual trace of a kill mid-write and goes silently)."""
     path = _metrics_path(run_dir_or_file)
-    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
+    rows, bad, last = _scan(path)
+    rows = [r for r in rows if r["step"] <= last_step]
+    if [n for n in bad if n != last]:
+        shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        warnings.warn(
+            f"{path}: dropped {len(bad)} damaged line(s) (line {shown}); kept the intact lines "
+            f"up to step {last_step}",
+            stacklevel=2,
+        )
     if path.exists():
         _write_atomic(path, "".join(_format_line(r["step"], _values(r)) for r in rows))
     return rows

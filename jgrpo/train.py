@@ -65,8 +65,13 @@ class Trainer:
 
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
-    check_model_path(cfg.model.path)
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    sharding.make_rules(cfg.mesh)
     step.check_batch_split(cfg, jax.device_count())
+    if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
+        from jgrpo.rollout.ray_backend import check_ray_address
+
+        check_ray_address(cfg.rollout.ray_address)
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
@@ -90,9 +95,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
     state = step.init_train_state(params, tx, shardings)
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     start = 0
-    latest = checkpointer.latest_step() if resume else None
-    if latest is not None:
-        state, meta = checkpointer.restore(latest, state)
+    restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
+    if restored is not None:
+        state, meta, _ = restored
         start = meta["step"]
         task.train.restore(meta["data_state"])
         log.info("resumed from step %d", start)

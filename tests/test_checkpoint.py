@@ -269,3 +269,83 @@ def test_step_folder_without_commit_marker_is_ignored(tmp_path):
         assert ckpt.latest_step() == 1
         with pytest.raises(FileNotFoundError):
             ckpt.restore(3, {"w": jnp.ones(3)})
+
+
+def _flip_a_byte(step_dir: Path) -> None:
+    """Flip one byte in the middle of the largest array data file of the step."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def _delete_a_data_file(step_dir: Path) -> None:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    max(files, key=lambda p: p.stat().st_size).unlink()
+
+
+DAMAGES = {
+    "flipped-byte": _flip_a_byte,
+    "half-deleted": _delete_a_data_file,
+    "meta": lambda d: (d / "meta" / "metadata").write_text("{garbage"),
+    "step-metadata": lambda d: (d / "_CHECKPOINT_METADATA").write_bytes(b"\x00\x01"),
+    "commit-marker": lambda d: (d / "commit_success.txt").unlink(),
+    "checksums": lambda d: (d / "jgrpo_checksums.json").write_text("[1, 2"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_newest_falls_back_and_is_replaced(tmp_path, damage):
+    directory = tmp_path / "ckpt"
+    states = {s: {"w": jnp.full((64, 64), float(s)), "step": s} for s in (1, 2, 3)}
+    target = {"w": jnp.zeros((64, 64)), "step": 0}
+    with Checkpointer(directory, keep_last=5) as ckpt:
+        for s, state in states.items():
+            ckpt.save(s, state, {"step": s})
+        assert all(ckpt.verify(s) is None for s in (1, 2, 3))
+    DAMAGES[damage](directory / "3")
+    with Checkpointer(directory, keep_last=5) as ckpt:
+        assert ckpt.verify(3) is not None
+        with pytest.warns(UserWarning, match=r"resuming from step 2 \(step 3: "):
+            restored, meta, step = ckpt.restore_latest_intact(target)
+        assert step == 2 and meta == {"step": 2} and restored["step"] == 2
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((64, 64), 2.0))
+        # the resumed run saves step 3 again: the damaged one is replaced, not an error
+        ckpt.save(3, {"w": jnp.full((64, 64), 3.5), "step": 3}, {"step": 3})
+        assert ckpt.all_steps() == [1, 2, 3] and ckpt.verify(3) is None
+        restored, _, step = ckpt.restore_latest_intact(target)
+        assert step == 3
+        np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((64, 64), 3.5))
+        with pytest.raises(ValueError, match="already exists"):  # an intact step is kept
+            ckpt.save(3, states[3], {"step": 3})
+    assert not [p.name for p in directory.iterdir() if p.name.startswith(".")]
+
+
+def test_no_intact_checkpoint_is_a_one_line_error(tmp_path):
+    from jgrpo.checkpoint import CheckpointError
+
+    directory = tmp_path / "ckpt"
+    target = {"w": jnp.zeros(8)}
+    with Checkpointer(directory, keep_last=5) as ckpt:
+        assert ckpt.restore_latest_intact(target) is None  # no checkpoint at all: a fresh start
+        ckpt.save(1, {"w": jnp.ones(8)}, {})
+        ckpt.save(2, {"w": jnp.ones(8)}, {})
+    _flip_a_byte(directory / "1")
+    _delete_a_data_file(directory / "2")
+    with Checkpointer(directory, keep_last=5) as ckpt:
+        with pytest.raises(CheckpointError, match=r"no intact checkpoint.*step 2: .*step 1: ") as e:
+            ckpt.restore_latest_intact(target)
+        assert "\n" not in str(e.value)
+
+
+def test_async_save_writes_checksums(tmp_path):
+    with Checkpointer(tmp_path / "ckpt", keep_last=2, async_save=True) as ckpt:
+        ckpt.save(1, {"w": jnp.ones(8)}, {})
+        ckpt.save(2, {"w": jnp.ones(8)}, {})
+        ckpt.wait()
+        assert (tmp_path / "ckpt" / "1" / "jgrpo_checksums.json").is_file()
+        assert all(ckpt.verify(s) is None for s in (1, 2))
+    _flip_a_byte(tmp_path / "ckpt" / "2")
+    with Checkpointer(tmp_path / "ckpt", keep_last=2) as ckpt:
+        assert "checksum" in ckpt.verify(2)

@@ -365,3 +365,132 @@ def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
         assert [r["step"] for r in rows] == [1, 2], name
         assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0
         assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+_KILL_IN_SAVE = """
+import os, signal, sys
+import orbax.checkpoint._src.path.atomicity as atomicity
+from jgrpo.cli import main
+
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def killing_finalize(self):
+    # every item of step 4 is written; the kill lands just before the step folder's rename
+    if self.get_final().name == "4":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsys, tmp_path):
+    common = [
+        "grpo.max_num_steps=6",
+        "checkpoint.save_period=2",
+        "grpo.val_period=3",
+        "data.num_val_examples=4",
+        "logging.tensorboard=false",
+    ]
+    # --fresh on an existing run folder of an older jgrpo (no marker) deletes it and starts over
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (full / "config.yaml").write_text("{}\n")
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(full), "--fresh", *common
+    )
+    assert code == 0, err
+    assert (full / ".jgrpo-run").is_file()
+    want = comparable(read_metrics(full))
+    assert [r["step"] for r in want] == [0, 1, 2, 3, 4, 5, 6]
+
+    # 1. SIGKILL inside the save of step 4: the resume starts from step 2
+    killed = tmp_path / "killed"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _KILL_IN_SAVE,
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(killed),
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (killed / "checkpoints" / "4").exists()
+    assert (killed / "checkpoints" / "2" / "jgrpo_checksums.json").is_file()
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
+    )
+    assert code == 0, err
+    assert comparable(read_metrics(killed)) == want
+
+    # 2. the newest checkpoint damaged afterwards, and a torn line in the middle of metrics.jsonl
+    state_files = [p for p in (killed / "checkpoints" / "6" / "state").rglob("*") if p.is_file()]
+    biggest = max(state_files, key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    biggest.write_bytes(bytes(data))
+    lines = (killed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = lines[2][: len(lines[2]) // 2] + "\n"  # step 2's line, torn
+    (killed / "metrics.jsonl").write_text("".join(lines))
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
+    )
+    assert code == 0, err
+    assert "jgrpo: warning: checkpoint damaged, resuming from step 4 (step 6: " in err
+    assert "dropped 1 damaged line(s) (line 3)" in err
+    rows = comparable(read_metrics(killed))
+    assert rows == [r for r in want if r["step"] != 2]  # the torn line is gone, the rest equal
+    from jgrpo.checkpoint import verify_step
+
+    assert verify_step(killed / "checkpoints" / "6") is None  # saved again, intact
+
+
+def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, tmp_path):
+    import jax
+    from flax import nnx
+
+    from jgrpo import step
+    from jgrpo.checkpoint import Checkpointer
+    from jgrpo.config import load_config, to_dict
+    from jgrpo.models import from_pretrained
+    from jgrpo.models.hf import read_hf_weights
+    from jgrpo.models.sources import resolve_model_path
+
+    cfg = load_config(TINY)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    model = from_pretrained(resolve_model_path(cfg.model.path))
+    params = jax.tree.map(lambda x: x + 0.25, nnx.to_pure_dict(nnx.state(model)))
+    with Checkpointer(run / "checkpoints") as ckpt:
+        ckpt.save(2, step.init_train_state(params, step.make_optimizer(cfg)), {"step": 2})
+
+    out = tmp_path / "out"  # an older sharded export: loading it would give the OLD weights
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")
+    before = sorted(p.name for p in out.iterdir())
+    code, _, err = run_cli(capsys, "export", str(run), str(out))
+    assert code == 2 and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == before
+
+    code, _, err = run_cli(capsys, "export", str(run), str(out), "--overwrite")
+    assert code == 0, err
+    names = {p.name for p in out.iterdir()}
+    assert "model.safetensors" in names and "tokenizer.json" in names
+    assert not names & {"model.safetensors.index.json", "model-00001-of-00002.safetensors"}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+    exported = read_hf_weights(out)["model.embed_tokens.weight"]
+    base = read_hf_weights(resolve_model_path(cfg.model.path))["model.embed_tokens.weight"]
+    np.testing.assert_allclose(exported, base + 0.25, atol=1e-6)

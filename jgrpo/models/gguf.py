@@ -75,14 +75,24 @@ def convert_gguf(
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {_DTYPES}")
-    reader = gguf.GGUFReader(str(src))
-    meta = _read_metadata(reader)
+    if Path(out).exists() and not overwrite:  # before reading a possibly large file
+        raise FileExistsError(f"{out} already exists")
+    try:
+        reader = gguf.GGUFReader(str(src))
+        meta = _read_metadata(reader)
+    except Exception as e:  # the gguf reader raises anything from struct/numpy on bad bytes
+        raise ValueError(f"{src}: not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{src}: general.architecture={arch!r}, only 'llama' is supported")
-    config = _llama_config(meta, reader, dtype)
-    tensors = _hf_tensors(reader, config, dtype)
-    tokenizer_json, tokenizer_config, chat_template = _tokenizer_files(meta)
+    try:
+        config = _llama_config(meta, reader, dtype)
+        tensors = _hf_tensors(reader, config, dtype)
+        tokenizer_json, tokenizer_config, chat_template = _tokenizer_files(meta)
+    except ValueError as e:
+        raise ValueError(f"{src}: {e}") from None
+    except Exception as e:  # damaged tensor data or metadata of the wrong type
+        raise ValueError(f"{src}: damaged GGUF file ({type(e).__name__}: {e})") from None
     generation_config = {
         k: config[k]
         for k in ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -63,22 +63,36 @@ def cache_root() -> Path:
     return Path(os.environ.get("JGRPO_CACHE") or Path.home() / ".cache" / "jgrpo").expanduser()
 
 
-def check_model_path(spec: str) -> None:
-    """Validate `model.path` without converting or building anything; raises ConfigError."""
+def check_model_path(spec: str, sequence_length: int | None = None, *, deep: bool = True) -> None:
+    """Validate `model.path` without converting or building anything; raises ConfigError.
+
+    With `deep`, an HF folder, and a built-in or converted model already in the cache, is
+    checked by :func:`jgrpo.models.preflight.check_hf_folder` (headers, shapes, tokenizer;
+    `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings)."""
+    from jgrpo.models.preflight import check_hf_folder, check_sequence_length
+
     if spec == SMOLLM2:
-        smollm2_gguf()
+        src = smollm2_gguf()
+        key = hashlib.sha256(f"{src.name}:{src.stat().st_size}:{_SMOLLM2_FORMAT}".encode())
+        folder = cache_root() / "models" / f"smollm2-135m-instruct-{key.hexdigest()[:10]}"
     elif spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_MODELS:
             allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
             raise ConfigError(f"model.path: unknown built-in model {spec!r}; allowed: {allowed}")
+        folder = cache_root() / "models" / f"tiny-qwen2-v{_TINY_VERSION}"
+        if deep and not folder.is_dir():
+            check_sequence_length(tiny_qwen2_config(), sequence_length, spec)
     else:
         _check_hf_folder(spec)
+        folder = Path(spec).expanduser()
+    if deep and folder.is_dir():
+        check_hf_folder(folder, sequence_length)
 
 
 def resolve_model_path(spec: str) -> Path:
     """The local HF folder for `model.path` (converting / building into the cache once)."""
-    check_model_path(spec)
+    check_model_path(spec, deep=False)  # the deep check is the pre-flight's (train.check_run)
     if spec == SMOLLM2:
         return smollm2_folder()
     if spec == "builtin:tiny-qwen2":

@@ -59,7 +59,7 @@ import jax
 import numpy as np
 import ray
 
-from jgrpo.config import Config
+from jgrpo.config import Config, ConfigError
 from jgrpo.rollout.engine import (
     VALIDATION_SALT,
     RolloutFailure,
@@ -73,19 +73,55 @@ def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> b
     """Start a quiet local Ray (address None) or join `address`; False if already initialised."""
     if ray.is_initialized():
         return False
+    if address is not None:
+        check_ray_address(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray >= 2.5x warns on every new local cluster that token auth is on by default: keep the
     # (secure) default, drop the banner.
     logging.getLogger("ray._private.authentication").setLevel(logging.ERROR)
-    ray.init(
-        address=address or "local",
-        num_cpus=num_cpus if address is None else None,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        configure_logging=True,
-    )
+    start = time.monotonic()
+    try:
+        ray.init(
+            address=address or "local",
+            num_cpus=num_cpus if address is None else None,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        if address is None:
+            raise
+        waited = time.monotonic() - start
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"rollout.ray_address: cannot join the Ray cluster at {address!r} "
+            f"(gave up after {waited:.1f} s: {first})"
+        ) from None
     return True
+
+
+RAY_CONNECT_TIMEOUT_S = 5.0
+"""How long init_ray waits for a TCP connection to rollout.ray_address's host:port."""
+
+
+def check_ray_address(address: str) -> None:
+    """ConfigError within RAY_CONNECT_TIMEOUT_S (not ray.init's ~25 s) when the host:port of
+    `address` does not accept a TCP connection; the pre-flight (train.check_run) calls it."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if address == "auto" or not sep or not port.isdigit():
+        return  # "auto" and bare names: ray resolves them, its own error is clear
+    start = time.monotonic()
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConfigError(
+            f"rollout.ray_address: {address!r} is not reachable (waited "
+            f"{time.monotonic() - start:.1f} s: {e.strerror or type(e).__name__})"
+        ) from None
 
 
 def worker_resources(

@@ -1,0 +1,257 @@
+"""Pre-flight check of an HF model folder: everything a load would trip on, without loading it.
+
+Owns :func:`check_hf_folder`, called by :func:`jgrpo.models.sources.check_model_path` before
+any model work starts. It reads only small things (config.json, the safetensors headers, the
+tokenizer), imports neither jax nor transformers, and raises :class:`ConfigError` with one line
+naming the file and what is wrong:
+
+- config.json: UTF-8 JSON, a mapping, positive integer sizes, heads that divide;
+- weights: model.safetensors or the index and every shard it names; each header parses, its
+  dtypes are ones the loader reads, its data offsets fit the file (a truncated download is
+  caught here, not as a bus error in the middle of a load), and the shape of every tensor the
+  decoder needs matches what config.json implies (:func:`hf_tensor_shapes`);
+- tokenizer: tokenizer.json loads with `tokenizers`, turns a sample prompt into at least one
+  token, and every id it gives is below config.json's vocab_size;
+- length: `sequence_length` (rollout.prompt_bucket + rollout.max_new_tokens) fits
+  max_position_embeddings.
+
+The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
+loader re-checks every shape when it copies the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+from jgrpo.config import ConfigError
+
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+"""safetensors dtypes the loader (hf.read_safetensors) reads, and their sizes in bytes."""
+_MAX_HEADER = 100 * 2**20  # the safetensors format's own limit on the JSON header
+_SAMPLE_PROMPT = "What is 12+34? Answer: 46"
+
+
+def _fail(path: Path, what: str) -> None:
+    raise ConfigError(f"model.path: {str(path)!r} {what}")
+
+
+def read_json_file(path: Path) -> Any:
+    """Parse a small JSON file; ConfigError naming it when unreadable, not UTF-8 or not JSON."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        _fail(path, f"cannot be read ({e.strerror})")
+    except UnicodeDecodeError:
+        _fail(path, "is not UTF-8 text (a binary file?)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(path, f"is not valid JSON (line {e.lineno}: {e.msg})")
+
+
+def read_hf_config(folder: Path) -> dict:
+    """config.json of `folder`, checked (mapping, positive sizes, heads that divide)."""
+    path = folder / "config.json"
+    hf = read_json_file(path)
+    if not isinstance(hf, dict):
+        _fail(path, f"must hold a JSON object, got {type(hf).__name__}")
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(path, f"needs a positive integer {key}, got {value!r}")
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            _fail(path, f"{key} must be a positive integer, got {value!r}")
+        if value is not None and value < 1:
+            _fail(path, f"{key} must be a positive integer, got {value!r}")
+    heads, kv = (
+        hf["num_attention_heads"],
+        hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    )
+    if heads % kv:
+        _fail(path, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    if not hf.get("head_dim") and hf["hidden_size"] % heads:
+        _fail(path, f"hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads")
+    return hf
+
+
+def hf_tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the decoder loads, from a config.json mapping."""
+    d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
+    n = hf["num_attention_heads"]
+    k = hf.get("num_key_value_heads") or n
+    h = hf.get("head_dim") or d // n
+    family = hf.get("model_type")
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not hf.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (v, d)
+    layer = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (n * h, d),
+        "self_attn.k_proj.weight": (k * h, d),
+        "self_attn.v_proj.weight": (k * h, d),
+        "self_attn.o_proj.weight": (d, n * h),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    if family == "qwen2" or hf.get("attention_bias"):
+        layer |= {
+            "self_attn.q_proj.bias": (n * h,),
+            "self_attn.k_proj.bias": (k * h,),
+            "self_attn.v_proj.bias": (k * h,),
+        }
+    if family == "qwen3":
+        layer |= {"self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (h,)}
+    for i in range(hf["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of one .safetensors file, after checking its header against its size."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                _fail(path, f"is truncated ({size} bytes; not a safetensors file)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(_MAX_HEADER, size - 8):
+                _fail(path, f"is not a safetensors file (header length {header_len}, file {size})")
+            raw = fh.read(header_len)
+    except OSError as e:
+        _fail(path, f"cannot be read ({e.strerror})")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        _fail(path, "has a damaged safetensors header (not JSON)")
+    if not isinstance(header, dict):
+        _fail(path, "has a damaged safetensors header (not a JSON object)")
+    data_len = size - 8 - header_len
+    shapes = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = all(isinstance(x, int) and x >= 0 for x in [*shape, start, end])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            _fail(path, f"has a damaged safetensors header entry for tensor {name!r}")
+        if dtype not in _ST_ITEMSIZE:
+            _fail(path, f"tensor {name!r} has dtype {dtype} (supported: {', '.join(_ST_ITEMSIZE)})")
+        if end - start != math.prod(shape) * _ST_ITEMSIZE[dtype] or start > end:
+            _fail(path, f"tensor {name!r}: data offsets do not match its shape {shape}")
+        if end > data_len:
+            _fail(
+                path,
+                f"is truncated: tensor {name!r} ends at byte {end} of {data_len} data bytes",
+            )
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def _weight_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = read_json_file(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            _fail(index, "has no weight_map object of tensor name -> file")
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        _fail(folder, "has no model.safetensors or model.safetensors.index.json")
+    shapes, where = {}, {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            _fail(index, f"names shard {name!r}, which does not exist")
+        for tensor, shape in read_safetensors_header(path).items():
+            shapes[tensor], where[tensor] = shape, path
+    return shapes, where
+
+
+def _check_tokenizer(folder: Path, vocab_size: int) -> None:
+    path = folder / "tokenizer.json"
+    config = folder / "tokenizer_config.json"
+    if config.is_file() and not isinstance(read_json_file(config), dict):
+        _fail(config, "must hold a JSON object")
+    if not path.is_file():
+        if not any((folder / n).is_file() for n in ("tokenizer.model", "vocab.json")):
+            _fail(folder, "has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+        return  # a slow-tokenizer folder: transformers checks it when it loads
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust loader raises a bare Exception
+        _fail(path, f"does not load as a tokenizer ({str(e).splitlines()[0][:120]})")
+    ids = tokenizer.encode(_SAMPLE_PROMPT, add_special_tokens=False).ids
+    if not ids:
+        _fail(path, f"turns the prompt {_SAMPLE_PROMPT!r} into zero tokens")
+    if max(ids) >= vocab_size:
+        _fail(path, f"gives token id {max(ids)}, past config.json's vocab_size {vocab_size}")
+
+
+_PASSED: dict[tuple, dict] = {}
+"""Folders that passed in this process, by (path, config.json and weights mtimes): the CLI's
+pre-flight, train.check_run and setup each check, the work is done once."""
+
+
+def _stamp(folder: Path) -> tuple:
+    files = [folder / n for n in ("config.json", "model.safetensors", "tokenizer.json")]
+    files.append(folder / "model.safetensors.index.json")
+    return (str(folder.absolute()),) + tuple(
+        (f.stat().st_mtime_ns, f.stat().st_size) if f.exists() else None for f in files
+    )
+
+
+def check_hf_folder(folder: str | Path, sequence_length: Optional[int] = None) -> dict:
+    """Check HF folder `folder` as described in the module docstring; returns config.json."""
+    folder = Path(folder)
+    stamp = _stamp(folder)
+    if stamp in _PASSED:
+        check_sequence_length(_PASSED[stamp], sequence_length, folder / "config.json")
+        return _PASSED[stamp]
+    hf = read_hf_config(folder)
+    shapes, where = _weight_shapes(folder)
+    for name, want in hf_tensor_shapes(hf).items():
+        if name not in shapes:
+            _fail(folder, f"lacks tensor {name!r} (config.json: {hf['num_hidden_layers']} layers)")
+        if shapes[name] != want:
+            _fail(
+                where[name],
+                f"tensor {name!r} has shape {list(shapes[name])}, config.json implies {list(want)}",
+            )
+    _check_tokenizer(folder, hf["vocab_size"])
+    _PASSED[stamp] = hf
+    check_sequence_length(hf, sequence_length, folder / "config.json")
+    return hf
+
+
+def check_sequence_length(hf: dict, sequence_length: Optional[int], source: Any) -> None:
+    """prompt_bucket + max_new_tokens must fit the model's max_position_embeddings."""
+    limit = hf.get("max_position_embeddings")
+    if sequence_length is not None and limit is not None and sequence_length > limit:
+        raise ConfigError(
+            f"rollout.prompt_bucket + rollout.max_new_tokens = {sequence_length} exceeds "
+            f"max_position_embeddings {limit} of {str(source)!r}"
+        )
