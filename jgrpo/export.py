@@ -6,15 +6,23 @@ architecture and tokenizer come from the config's model.path, the weights from t
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import jax
 import yaml
 from flax import nnx
 
-from jgrpo import step
+from jgrpo import sharding, step
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, from_dict, validate
-from jgrpo.models import from_pretrained, save_pretrained
+from jgrpo.models import (
+    Transformer,
+    from_pretrained,
+    model_options,
+    read_hf_config,
+    save_pretrained,
+)
 from jgrpo.models.sources import resolve_model_path
 
 
@@ -40,18 +48,20 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 def load_checkpoint_model(path, cfg: Config | None = None):
-    """(model with the checkpoint's params, model folder, config)."""
+    """(model with the checkpoint's params, model folder, config), on one device.
+
+    The restore target is the abstract train state of `step.build_step` (nothing is allocated
+    or read from model.path but its config.json)."""
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
     folder = resolve_model_path(cfg.model.path)
-    model = from_pretrained(folder, dtype=cfg.model.dtype)
-    params = nnx.to_pure_dict(nnx.state(model))
-    tx = step.make_optimizer(cfg)
-    target = step.init_train_state(params, tx)
+    model_cfg = read_hf_config(folder, **model_options(cfg.model))
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, tensor=1)
+    built = step.build_step(cfg, abstract, mesh=sharding.make_mesh(one, jax.devices()[:1]))
     with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
-        state, _ = checkpointer.restore(ckpt_step, target)
-    nnx.update(model, nnx.State(state.params))
-    return model, folder, cfg
+        state, _ = checkpointer.restore(ckpt_step, built.state)
+    return nnx.merge(built.graphdef, state.params), folder, cfg
 
 
 def export_checkpoint(path, out) -> Path:
@@ -69,7 +79,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)
     else:
         folder = resolve_model_path(cfg.model.path)
-        model = from_pretrained(folder, dtype=cfg.model.dtype)
+        model = from_pretrained(folder, **model_options(cfg.model))
     graphdef, state = nnx.split(model)
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
