@@ -43,7 +43,21 @@ class ModelConfig:
     path: str = "builtin:tiny-qwen2"
     """HF folder, `smollm2` (converted SmolLM2-135M-Instruct) or `builtin:tiny-qwen2`."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and activation dtype of policy and reference."""
+    """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Activation/matmul dtype; auto = bfloat16 on GPU/TPU or with dtype bfloat16, else float32."""
+    remat: Literal["none", "full", "dots"] = "full"
+    """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
+    logprob_chunk_size: int = 128
+    """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+
+    def resolved_compute_dtype(self, platform: str) -> str:
+        """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        if self.dtype == "bfloat16" or platform != "cpu":
+            return "bfloat16"
+        return "float32"
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -556,6 +570,7 @@ def validate(cfg: Config) -> Config:
         ("data.num_val_examples", cfg.data.num_val_examples),
         ("data.num_terms", cfg.data.num_terms),
         ("data.countdown_num_numbers", cfg.data.countdown_num_numbers),
+        ("model.logprob_chunk_size", cfg.model.logprob_chunk_size),
     ]:
         _require(value >= 1, f"{key}: must be >= 1, got {value}")
     for key, value in [

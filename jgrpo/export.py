@@ -52,12 +52,18 @@ def check_checkpoint_source(path, cfg: Config | None = None) -> Config:
 
 
 def load_checkpoint_model(path, cfg: Config | None = None):
-    """(model with the checkpoint's params, model folder, config)."""
+    """(model with the checkpoint's params, model folder, config), on one device.
+
+    The restore target is the abstract train state of `step.build_step` (nothing is allocated
+    or read from model.path but its config.json)."""
+    import dataclasses
+
+    import jax
     from flax import nnx
 
-    from jgrpo import step
+    from jgrpo import sharding, step
     from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
-    from jgrpo.models import from_pretrained
+    from jgrpo.models import Transformer, model_options, read_hf_config
 
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
@@ -69,24 +75,23 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             if reason is not None:
                 raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {reason}")
         folder = resolve_model_path(cfg.model.path)
-        model = from_pretrained(folder, dtype=cfg.model.dtype)
-        params = nnx.to_pure_dict(nnx.state(model))
-        tx = step.make_optimizer(cfg)
-        target = step.init_train_state(params, tx)
+        model_cfg = read_hf_config(folder, **model_options(cfg.model))
+        abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+        one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, tensor=1)
+        built = step.build_step(cfg, abstract, mesh=sharding.make_mesh(one, jax.devices()[:1]))
         try:
             if ckpt_step is None:
-                restored = checkpointer.restore_latest_intact(target)
+                restored = checkpointer.restore_latest_intact(built.state)
                 if restored is None:
                     raise CheckpointError(f"{str(ckpt_dir)!r}: no complete checkpoint")
                 state = restored[0]
             else:
-                state, _ = checkpointer.restore(ckpt_step, target)
+                state, _ = checkpointer.restore(ckpt_step, built.state)
         except CheckpointMismatch as e:
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
             ) from None
-    nnx.update(model, nnx.State(state.params))
-    return model, folder, cfg
+    return nnx.merge(built.graphdef, state.params), folder, cfg
 
 
 def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:
@@ -108,7 +113,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
     from flax import nnx
 
-    from jgrpo.models import from_pretrained
+    from jgrpo.models import from_pretrained, model_options
     from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
     from jgrpo.tasks import make_task
 
@@ -117,7 +122,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)
     else:
         folder = resolve_model_path(cfg.model.path)
-        model = from_pretrained(folder, dtype=cfg.model.dtype)
+        model = from_pretrained(folder, **model_options(cfg.model))
     graphdef, state = nnx.split(model)
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)

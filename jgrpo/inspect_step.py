@@ -1,15 +1,28 @@
 """Compile the train step of a config ahead of time, allocating nothing, and report its cost.
 
-Everything is abstract (jax.ShapeDtypeStruct with shardings): a full-size model can be sized
-for a mesh on a laptop. Reports XLA's flops, the dot ops of the compiled HLO (and the
-`stablehlo.dot_general` ops of the lowered program, which survive on GPU where dots may become
-custom calls), the named forwards present in the compiled program and in the traced one (before
-dead-code elimination), and per-device bytes of parameters, optimizer state and temporaries.
+Everything is abstract (`step.build_step` on an `nnx.eval_shape` model: jax.ShapeDtypeStructs
+with shardings), so a full-size model can be sized for any mesh on a laptop; a model.path
+folder holding only config.json is enough. JSON keys:
+- `flops`: matmul flops of the whole step summed over devices, every trip of every scan/map
+  counted (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its trip
+  count; XLA's own `cost_analysis`, which counts a loop body once, is kept as
+  `flops_xla_cost_analysis`); `flops_analytic` is the same quantity from the shapes alone
+  (`analytic_flops`), the cross-check.
+- `param_bytes_per_device`, `opt_state_bytes_per_device`, `ref_param_bytes_per_device`: the
+  largest shard of each tree; `temp_bytes_per_device`: XLA's temporaries of the compiled step;
+  `peak_bytes_per_device_estimate`: arguments + outputs - donated aliases + temporaries.
+- `kv_cache_bytes` / `kv_cache_bytes_per_device`: the sampler's KV cache for one rollout batch,
+  and its share when the rows are split over the mesh's batch axes (data x fsdp).
+- `forwards` / `forwards_traced`: the named forwards present in the compiled program and in the
+  traced one (before dead-code elimination); `dot_ops` / `dot_general_ops_lowered`: dot counts
+  of the compiled HLO and of the lowered program (which survive on GPU, where dots may become
+  custom calls).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 
@@ -17,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jgrpo import sharding, step
+from jgrpo import step
 from jgrpo.config import Config
-from jgrpo.models import Transformer, config_from_hf
+from jgrpo.models import Transformer, config_from_hf, model_options
 from jgrpo.models.preflight import read_hf_config
 from jgrpo.models.sources import resolve_model_path
 
@@ -29,13 +42,7 @@ def model_config_of(cfg: Config):
     folder = Path(cfg.model.path)
     if not (folder / "config.json").is_file():
         folder = resolve_model_path(cfg.model.path)
-    return config_from_hf(read_hf_config(folder), dtype=cfg.model.dtype)
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
+    return config_from_hf(read_hf_config(folder), **model_options(cfg.model))
 
 
 def bytes_per_device(tree) -> int:
@@ -47,63 +54,163 @@ def bytes_per_device(tree) -> int:
     return total
 
 
-def abstract_batch(cfg: Config, mesh) -> dict:
-    b = cfg.grpo.batch_size
-    t = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
-    spec = {
-        "input_ids": ((b, t), jnp.int32),
-        "attention_mask": ((b, t), jnp.float32),
-        "token_mask": ((b, t), jnp.float32),
-        "generation_logprobs": ((b, t), jnp.float32),
-        "rewards": ((b,), jnp.float32),
-        "group_ids": ((b,), jnp.int32),
-        "sample_mask": ((b,), jnp.float32),
-    }
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s+\((.*)\)\s+->\s+.*\{\s*$")
+_PARAM = re.compile(r"([\w.\-]+): (\w+)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"\sdot\(%([^,\s)]+), %([^,\s)]+)\)")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CALLS = re.compile(r"(?:calls|to_apply|body|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def hlo_dot_flops(hlo_text: str) -> tuple[float, bool]:
+    """(matmul flops of a compiled HLO module counting every trip of every while loop, whether
+    every loop's trip count was known). XLA's cost_analysis counts a loop body once; this
+    walks the call graph from ENTRY and multiplies each while body by its known_trip_count.
+    A dot's flops are 2 x prod(output shape) x prod(lhs contracting dims)."""
+    local: dict[str, float] = {}
+    children: dict[str, list[tuple[str, int]]] = {}
+    entry, name, shapes, all_known = None, None, {}, True
+    for line in hlo_text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            name = head.group(1)
+            entry = name if line.startswith("ENTRY") else entry
+            shapes = {p: _dims(d) for p, _, d in _PARAM.findall(head.group(2))}
+            local[name], children[name] = 0.0, []
+            continue
+        if name is None:
+            continue
+        instr = _INSTR.match(line)
+        if instr:
+            shapes[instr.group(1)] = _dims(instr.group(3))
+        dot = _DOT.search(line)
+        if dot and instr:
+            lhs = shapes.get(dot.group(1))
+            contract = _CONTRACT.search(line)
+            if lhs is not None and contract:
+                k = math.prod(lhs[int(i)] for i in contract.group(1).split(",") if i)
+                local[name] += 2.0 * math.prod(shapes[instr.group(1)]) * k
+        trips = 1
+        if " while(" in line:
+            found = _TRIPS.search(line)
+            all_known &= found is not None
+            trips = int(found.group(1)) if found else 1
+        for callee in _CALLS.findall(line):
+            children[name].append((callee, trips if " while(" in line else 1))
+        for group in _BRANCHES.findall(line):  # a conditional: count its costliest branch
+            branches = [b.strip().lstrip("%") for b in group.split(",") if b.strip()]
+            children[name].append(("|".join(branches), 1))
+
+    memo: dict[str, float] = {}
+
+    def total(comp: str) -> float:
+        if "|" in comp:
+            return max(total(c) for c in comp.split("|"))
+        if comp not in memo:
+            memo[comp] = local.get(comp, 0.0) + sum(n * total(c) for c, n in children.get(comp, []))
+        return memo[comp]
+
+    return (total(entry) if entry else 0.0), all_known
+
+
+def _dims(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
+    """Matmul flops of one train step from the shapes alone, every trip counted.
+
+    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention
+    scores + values 4Tnh (the full T x T square: masking saves nothing); the LM head 2dV over
+    the chunk-padded positions. A forward is their sum over B x T tokens; a frozen forward
+    (ref, prev) costs 1 forward; the policy costs forward + backward (2 forwards) plus what
+    remat recomputes: the layers again (full) or their attention (dots), and always the head
+    (each logprob chunk is a jax.checkpoint). `model` leaves the recompute out (the numerator
+    of MFU), `step` includes it (what the compiled program executes)."""
+    m, g, ro = model_cfg, cfg.grpo, cfg.rollout
+    b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
+    d, n, k, h, f, v, l = (
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.intermediate_size,
+        m.vocab_size,
+        m.num_layers,
+    )
+    chunk = min(m.logprob_chunk_size or t, t)
+    head_positions = -(-t // chunk) * chunk
+    attention = b * t * l * 4 * t * n * h
+    layers = b * t * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f) + attention
+    head = b * head_positions * 2 * d * v
+    recompute = {"none": 0.0, "full": layers, "dots": attention}[m.remat] + head
+    frozen = (not cfg.skip_ref) + (not cfg.skip_prev)
+    model = frozen * (layers + head) + 3 * (layers + head)
     return {
-        k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
-        for k, (shape, dtype) in spec.items()
+        "forward": float(layers + head),
+        "model": float(model),
+        "step": float(model + recompute),
     }
+
+
+def kv_cache_bytes(cfg: Config, model_cfg) -> int:
+    """Bytes of the sampler's KV cache for one rollout batch: every layer's keys and values
+    for B rows x (prompt_bucket + max_new_tokens) slots, in the compute dtype."""
+    ro = cfg.rollout
+    slots = ro.prompt_bucket + ro.max_new_tokens
+    per_slot = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+    return cfg.grpo.batch_size * slots * per_slot * model_cfg.jnp_dtype.itemsize
 
 
 def inspect_step(cfg: Config, compile: bool = True) -> dict:
     start = time.perf_counter()
     model_cfg = model_config_of(cfg)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, model_state = nnx.split(abstract_model)
     step.check_batch_split(cfg, jax.device_count())
-    mesh = sharding.make_mesh(cfg.mesh)
-    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
-    params = _abstract(nnx.to_pure_dict(model_state), p_shard)
-    tx = step.make_optimizer(cfg)
-    rep = sharding.replicated(mesh)
-    o_shard = step.opt_state_shardings(tx, params, p_shard, rep)
-    opt_state = _abstract(jax.eval_shape(tx.init, params), o_shard)
+    built = step.build_step(cfg, abstract_model)
+    state = built.state
+    batch_devices = built.mesh.shape["data"] * built.mesh.shape["fsdp"]
+    kv = kv_cache_bytes(cfg, model_cfg)
     report = {
-        "mesh": dict(mesh.shape),
-        "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
-        "param_bytes_per_device": bytes_per_device(params),
-        "opt_state_bytes_per_device": bytes_per_device(opt_state),
+        "mesh": dict(built.mesh.shape),
+        "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+        "param_dtype": model_cfg.param_dtype,
+        "compute_dtype": model_cfg.dtype,
+        "remat": model_cfg.remat,
+        "logprob_chunk_size": model_cfg.logprob_chunk_size,
+        "param_bytes_per_device": bytes_per_device(state.params),
+        "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
+        "ref_param_bytes_per_device": bytes_per_device(built.ref_params),
+        "kv_cache_bytes": kv,
+        "kv_cache_bytes_per_device": kv // batch_devices,
+        "flops_analytic": analytic_flops(cfg, model_cfg)["step"],
     }
     if compile:
-        flags = step.StepFlags.from_config(cfg)
-        state = step.TrainState(
-            params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-        )
-        shardings = step.TrainState(p_shard, o_shard, rep)
-        fn = step.make_train_step(flags, graphdef, tx, shardings)
-        ref = params if flags.compute_ref_logprobs else None
-        args = (state, abstract_batch(cfg, mesh), step.make_hparams(cfg), ref)
+        args = built.abstract_args()
+        fn = built.step_fn
         lowered = fn.lower(*args)
         compiled = lowered.compile()
         text = compiled.as_text()
         memory = compiled.memory_analysis()
+        per_device, trips_known = hlo_dot_flops(text)
+        temp = int(getattr(memory, "temp_size_in_bytes", 0))
+        arguments = int(getattr(memory, "argument_size_in_bytes", 0))
+        outputs = int(getattr(memory, "output_size_in_bytes", 0))
+        aliased = int(getattr(memory, "alias_size_in_bytes", 0))
         report |= {
-            "flops": float(compiled.cost_analysis()["flops"]),
+            "flops": per_device * built.mesh.size,
+            "flops_per_device": per_device,
+            "flops_trip_counts_known": trips_known,
+            "flops_xla_cost_analysis": float(compiled.cost_analysis()["flops"]),
             "dot_ops": text.count(" dot("),
             "dot_general_ops_lowered": lowered.as_text().count("stablehlo.dot_general"),
             "forwards": step.forwards_in_hlo(text),
             "forwards_traced": step.forwards_in_jaxpr(jax.make_jaxpr(fn)(*args)),
-            "temp_bytes_per_device": int(getattr(memory, "temp_size_in_bytes", 0)),
+            "temp_bytes_per_device": temp,
+            "argument_bytes_per_device": arguments,
+            "peak_bytes_per_device_estimate": arguments + outputs - aliased + temp,
         }
     report["seconds"] = round(time.perf_counter() - start, 2)
     return report

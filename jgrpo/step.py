@@ -1,4 +1,21 @@
-"""The one jitted GRPO train step, specialised on static flags.
+"""The one jitted GRPO train step, specialised on static flags, and the one function that
+builds it.
+
+API (what train, inspect-step, export, the tests and the tools use):
+- `build_step(cfg, model, mesh=None) -> StepSetup`: mesh -> parameter shardings (from the
+  model's logical axes) -> optimizer and its state shardings -> the initial `TrainState`, the
+  reference params and the jitted step. `model` may be concrete (its arrays are placed on the
+  mesh) or abstract (`nnx.eval_shape`: the state is `jax.ShapeDtypeStruct`s carrying their
+  shardings, for lowering without allocating anything).
+- `setup.step_fn(state, batch, hparams, ref_params, frozen=None) -> (state, metrics)`: jitted,
+  donates `state`, pins the output state's shardings (step two never recompiles). `batch` is a
+  `jgrpo.batch.TrainBatch` (`setup.abstract_batch()` gives its abstract form);
+  `setup.abstract_args()` all five abstract arguments.
+- `TrainState(params, opt_state, step)`: `params` is the TRAINABLE tree. `frozen` is the tree of
+  parameters that are not trained (None when everything trains): it is merged with the trainable
+  one (`with_frozen`) for every forward, is never differentiated or updated, and is passed like
+  `ref_params`. `ref_params` has the trainable tree's structure (the initial values; stored in
+  the compute dtype, which is exactly what the forward would cast them to).
 
 `StepFlags` (frozen, hashable) decides the program: which logprob forwards exist, the loss and
 advantage structure (bools, choices, None-ness), and the minibatch/microbatch split. Float
@@ -6,30 +23,34 @@ hyperparameters (clip eps, beta, clamps, IS bounds, advantage clips, learning ra
 max grad norm, temperature, logprob-error threshold) travel as traced scalars in `hparams`, so
 sweeping them never recompiles.
 
+The optimizer is an optax chain, `optax.inject_hyperparams` of (clip_by_global_norm ->
+adamw with an optax schedule): the peak learning rate, weight decay and max norm are arrays in
+its state, which the step overwrites with `hparams`' values before each update (so a resumed
+run uses the config's values). Moments are float32 whatever the parameter dtype (the optimizer
+is initialised on float32 views and fed float32 gradients); updates are applied in float32 and
+cast to the parameter dtype.
+
 Inside one call, in order (REFERENCE.md "The logprob forwards and the static flags"):
   1. reference forward (only when compute_ref_logprobs: beta != 0),
   2. prev forward on the current params (only when compute_prev_logprobs: not skip_prev),
   3. seq-logprob-error masking, advantages (after 1-2: reinforce++ may use the KL in the reward),
-  4. lax.scan over minibatches (one optimizer update each), each accumulating gradients over
-     microbatches with lax.scan; losses are normalised by the minibatch's GLOBAL token and
+  4. lax.scan over minibatches (one optimizer update each), each accumulating float32 gradients
+     over microbatches with lax.scan; losses are normalised by the minibatch's GLOBAL token and
      sequence counts, so the result does not depend on the microbatch count or the mesh;
-     gradient-norm clipping; Adam with a schedule; a non-finite loss or gradient skips the
-     update (params and optimizer state kept) and is counted.
+     the optax update; a non-finite loss or gradient skips the update (params and optimizer
+     state kept) and is counted in train/skipped_updates.
 A skipped forward is absent from the compiled program: each forward runs under a
 `jax.named_scope("forward_<name>")`, which `forwards_in_hlo` reads back from compiled HLO.
 
 Rows are split into minibatches and microbatches by interleaving (row i goes to chunk i mod K),
 which keeps every chunk spread over the batch-sharded devices.
-
-Batch (the rollout boundary, [B, T] per-token arrays aligned with the tokens they score):
-  input_ids, attention_mask, token_mask (1 on generated tokens), generation_logprobs;
-  rewards [B], group_ids [B], sample_mask [B].
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +58,12 @@ import optax
 from flax import nnx
 
 from jgrpo import losses, sharding
+from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, ConfigError, LossConfig
 
 FORWARDS = ("ref", "prev", "policy")
+OPTIMIZER_HYPERPARAMS = ("learning_rate", "weight_decay", "max_grad_norm")
+"""The `hparams` keys that live in the optimizer state (optax.inject_hyperparams)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,7 +103,7 @@ class StepFlags:
 
 class TrainState(NamedTuple):
     params: Any
-    """Pure nested dict of parameter arrays (nnx.to_pure_dict of the model's state)."""
+    """The trainable parameters: a pure nested dict of arrays (nnx.to_pure_dict layout)."""
     opt_state: Any
     step: jax.Array
     """Optimizer updates applied so far (int32 scalar; drives the schedule)."""
@@ -105,14 +129,18 @@ def split_floats(section) -> tuple[Any, dict[str, float]]:
 def check_batch_split(cfg: Config, num_devices: int) -> None:
     """Every minibatch/microbatch chunk must split evenly over the batch-sharded devices."""
     data, fsdp, _ = sharding.resolve_mesh_shape(cfg.mesh, num_devices)
+    _check_rows_split(cfg, data * fsdp)
+
+
+def _check_rows_split(cfg: Config, batch_devices: int) -> None:
     g = cfg.grpo
     rows = g.batch_size // (g.num_minibatches * g.num_microbatches)
-    if rows % (data * fsdp):
+    if rows % batch_devices:
         raise ConfigError(
             f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {g.batch_size} rows "
             f"split into {g.num_minibatches} minibatches x {g.num_microbatches} microbatches "
             f"leaves {rows} rows per chunk, not divisible by mesh.data x mesh.fsdp = "
-            f"{data * fsdp}"
+            f"{batch_devices}"
         )
 
 
@@ -130,23 +158,57 @@ def make_hparams(cfg: Config) -> dict:
     }
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """Adam moments; lr, weight decay and clipping are applied in the step with traced values."""
-    return optax.scale_by_adam(b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)
+# ----------------------------------------------------------------------------- optimizer
 
 
-def schedule_factor(flags: StepFlags, step):
-    """Multiplier of the peak learning rate at update `step` (warmup, then decay to 0)."""
-    step = jnp.asarray(step, jnp.float32)
-    warm = flags.warmup_steps
-    warmup = jnp.minimum(1.0, (step + 1) / warm) if warm > 0 else 1.0
-    frac = jnp.clip((step - warm) / max(flags.total_updates - warm, 1), 0.0, 1.0)
+def make_schedule(flags: StepFlags) -> optax.Schedule:
+    """Multiplier of the peak learning rate after `count` updates: linear warmup from
+    1/warmup_steps to 1 over warmup_steps updates, then constant / linear / cosine decay to 0
+    at total_updates (optax schedules)."""
+    warm, decay_steps = flags.warmup_steps, max(flags.total_updates - flags.warmup_steps, 1)
     decay = {
-        "constant": 1.0,
-        "linear": 1.0 - frac,
-        "cosine": 0.5 * (1.0 + jnp.cos(jnp.pi * frac)),
+        "constant": optax.constant_schedule(1.0),
+        "linear": optax.linear_schedule(1.0, 0.0, decay_steps),
+        "cosine": optax.cosine_decay_schedule(1.0, decay_steps),
     }[flags.schedule]
-    return jnp.where(step < warm, warmup, decay)
+    if warm == 0:
+        return decay
+    warmup = optax.linear_schedule(1.0 / warm, 1.0, warm - 1) if warm > 1 else (lambda _: 1.0)
+    return optax.join_schedules([warmup, decay], [warm])
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """inject_hyperparams(clip_by_global_norm -> adamw(peak lr x schedule)), float32 moments."""
+    o, schedule = cfg.optim, make_schedule(StepFlags.from_config(cfg))
+
+    def chain(learning_rate, weight_decay, max_grad_norm=None):
+        adamw = optax.adamw(
+            lambda count: learning_rate * schedule(count),
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=weight_decay,
+            mu_dtype=jnp.float32,
+        )
+        if max_grad_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+
+    hyper = {"learning_rate": o.learning_rate, "weight_decay": o.weight_decay}
+    if o.max_grad_norm is not None:
+        hyper["max_grad_norm"] = o.max_grad_norm
+    return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(**hyper)
+
+
+def as_float32(tree):
+    """Floating leaves as float32 (what the optimizer is initialised on and fed)."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def set_hyperparams(opt_state, hparams: dict):
+    """The optimizer state with its injected hyperparameters taken from `hparams`."""
+    hyper = {k: jnp.asarray(hparams[k], v.dtype) for k, v in opt_state.hyperparams.items()}
+    return opt_state._replace(hyperparams=hyper)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -166,11 +228,22 @@ def unchunk_rows(x_k):
     return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
 
 
+def with_frozen(params, frozen):
+    """The full parameter tree: the trainable `params` nested dict merged with the `frozen`
+    one (None = nothing frozen). Their leaf paths are disjoint."""
+    if frozen is None or params is None:
+        return params
+    out = dict(params)
+    for key, value in frozen.items():
+        out[key] = with_frozen(out[key], value) if key in out else value
+    return out
+
+
 def sequence_logprobs(graphdef, params, batch, temperature):
-    """[B, T] logprobs of batch["input_ids"] under the model (temperature-scaled logits)."""
+    """[B, T] float32 logprobs of batch["input_ids"] under the model (temperature-scaled),
+    through `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits)."""
     model = nnx.merge(graphdef, params)
-    logits_btv = model(batch["input_ids"], attention_mask_bt=batch["attention_mask"])
-    return losses.token_logprobs(logits_btv, batch["input_ids"], temperature)
+    return model.token_logprobs(batch["input_ids"], batch["attention_mask"], temperature)
 
 
 def frozen_logprobs(name, graphdef, params, batch, temperature, num_chunks):
@@ -273,43 +346,37 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
     return data, metrics
 
 
-def accumulate_gradients(params, data, hparams, *, flags, graphdef):
-    """Sum of microbatch gradients of the minibatch loss (normalised by its global counts)."""
+def accumulate_gradients(params, data, hparams, *, flags, graphdef, frozen=None):
+    """Sum of microbatch gradients of the minibatch loss (normalised by its global counts),
+    accumulated in float32 whatever the parameter dtype."""
     loss_cfg = dataclasses.replace(flags.loss, **hparams["loss"])
     m_bt = data["token_mask"] * data["sample_mask"][:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data["sample_mask"])
 
     def loss_fn(params, mb):
         with jax.named_scope("forward_policy"):
-            lp_bt = sequence_logprobs(graphdef, params, mb, hparams["temperature"])
+            full = with_frozen(params, frozen)
+            lp_bt = sequence_logprobs(graphdef, full, mb, hparams["temperature"])
         return losses.policy_loss(lp_bt, mb, loss_cfg, n_tok, n_seq)
 
     def micro(grads, mb):
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        return jax.tree.map(jnp.add, grads, g), metrics
+        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads, metrics_k = jax.lax.scan(micro, zeros, chunk_rows(data, flags.num_microbatches))
     return grads, losses.combine_metrics(metrics_k)
 
 
-def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
-    """Step 4 for one minibatch: accumulate microbatch gradients, clip, update (or skip)."""
+def optimizer_update(state, data, hparams, *, flags, graphdef, tx, frozen=None):
+    """Step 4 for one minibatch: accumulate microbatch gradients, the optax update (or skip)."""
     grads, metrics = accumulate_gradients(
-        state.params, data, hparams, flags=flags, graphdef=graphdef
+        state.params, data, hparams, flags=flags, graphdef=graphdef, frozen=frozen
     )
     grad_norm = optax.tree.norm(grads)
-    scale = 1.0
-    if flags.clip_grad_norm:
-        max_norm = hparams["max_grad_norm"]
-        scale = jnp.where(grad_norm > max_norm, max_norm / jnp.maximum(grad_norm, 1e-30), 1.0)
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g * scale, grads), state.opt_state)
-    lr = hparams["learning_rate"] * schedule_factor(flags, state.step)
-    params = jax.tree.map(
-        lambda p, u: p - (lr * (u + hparams["weight_decay"] * p)).astype(p.dtype),
-        state.params,
-        updates,
-    )
+    opt_state = set_hyperparams(state.opt_state, hparams)
+    updates, opt_state = tx.update(grads, opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss/total"])
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = TrainState(
@@ -317,35 +384,47 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx):
     )
     metrics |= {
         "train/grad_norm": grad_norm,
-        "train/learning_rate": lr,
+        "train/learning_rate": hparams["learning_rate"] * make_schedule(flags)(state.step),
         "train/skipped_updates": 1.0 - finite.astype(jnp.float32),
     }
     return new_state, metrics
 
 
-def train_step(state, batch, hparams, ref_params, *, flags, graphdef, tx):
+def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx):
     """One GRPO step on a rollout batch -> (new state, metrics)."""
-    data, metrics = prepare_batch(state, batch, hparams, ref_params, flags=flags, graphdef=graphdef)
-    update = lambda s, mb: optimizer_update(s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx)
+    full_state = state._replace(params=with_frozen(state.params, frozen))
+    data, metrics = prepare_batch(
+        full_state, batch, hparams, with_frozen(ref_params, frozen), flags=flags, graphdef=graphdef
+    )
+
+    def update(s, mb):
+        return optimizer_update(
+            s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx, frozen=frozen
+        )
+
     state, metrics_m = jax.lax.scan(update, state, chunk_rows(data, flags.num_minibatches))
     return state, metrics | reduce_minibatch_metrics(metrics_m)
 
 
 def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
     """jit(train_step) for these flags; donates the state; pins the output state shardings."""
-    fn = lambda state, batch, hparams, ref_params: train_step(
-        state, batch, hparams, ref_params, flags=flags, graphdef=graphdef, tx=tx
-    )
+
+    def fn(state, batch, hparams, ref_params, frozen=None):
+        return train_step(
+            state, batch, hparams, ref_params, frozen, flags=flags, graphdef=graphdef, tx=tx
+        )
+
     out_shardings = None if state_shardings is None else (state_shardings, None)
     return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, replicated):
-    """Param-shaped optimizer leaves follow their param; scalars (count) are replicated."""
+    """Param-shaped optimizer leaves follow their param; scalars (count, hyperparameters) are
+    replicated."""
     return optax.tree_map_params(
         tx,
         lambda _, sharding: sharding,
-        jax.eval_shape(tx.init, params_abstract),
+        jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract),
         param_shardings,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
@@ -353,12 +432,125 @@ def opt_state_shardings(tx, params_abstract, param_shardings, replicated):
 
 
 def init_train_state(params, tx, state_shardings: TrainState | None = None) -> TrainState:
-    """Fresh optimizer state (placed with explicit shardings when given) and step 0."""
+    """Fresh optimizer state (float32 moments; placed with explicit shardings when given) and
+    step 0."""
+    init = lambda p: tx.init(as_float32(p))
     if state_shardings is None:
-        return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
-    opt_state = jax.jit(tx.init, out_shardings=state_shardings.opt_state)(params)
+        return TrainState(params, jax.jit(init)(params), jnp.zeros((), jnp.int32))
+    opt_state = jax.jit(init, out_shardings=state_shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), state_shardings.step)
     return TrainState(params, opt_state, step)
+
+
+# ----------------------------------------------------------------------------- the builder
+
+
+def _is_abstract(tree) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def _with_shardings(tree, shardings):
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _reference_copy(params, dtype):
+    """The reference policy's params: a copy in the compute dtype (never the donated buffers)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x.copy(), params)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepSetup:
+    """What `build_step` builds. `state` is the initial state (donated by the first step)."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    graphdef: Any
+    model_cfg: Any
+    """The model's TransformerConfig."""
+    flags: StepFlags
+    tx: optax.GradientTransformation
+    shardings: TrainState
+    """Of the train state: params follow their logical axes, param-shaped optimizer leaves
+    their param, scalars replicated."""
+    state: TrainState
+    ref_params: Any
+    """Initial trainable params in the compute dtype when the reference forward runs, else
+    None."""
+    frozen: Any
+    """Parameters that are not trained (None: the whole model trains)."""
+    hparams: dict
+    step_fn: Callable
+
+    def abstract_batch(self, rows: Optional[int] = None, tokens: Optional[int] = None):
+        """The abstract, batch-sharded TrainBatch of a rollout (default: the config's B x T,
+        T = rollout.prompt_bucket + rollout.max_new_tokens)."""
+        rows = self.cfg.grpo.batch_size if rows is None else rows
+        ro = self.cfg.rollout
+        tokens = ro.prompt_bucket + ro.max_new_tokens if tokens is None else tokens
+        return TrainBatch.abstract(rows, tokens, self.mesh)
+
+    def abstract_args(self, batch=None) -> tuple:
+        """(state, batch, hparams, ref_params, frozen) as abstract values, for `.lower`."""
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
+        batch = self.abstract_batch() if batch is None else batch
+        return (
+            abstract(self.state),
+            batch,
+            self.hparams,
+            abstract(self.ref_params),
+            abstract(self.frozen),
+        )
+
+
+def build_step(cfg: Config, model: nnx.Module, *, mesh=None) -> StepSetup:
+    """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
+
+    `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device."""
+    mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
+    _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
+    graphdef, model_state = nnx.split(model)
+    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
+    params = nnx.to_pure_dict(model_state)
+    abstract = _is_abstract(params)
+    tx = make_optimizer(cfg)
+    rep = sharding.replicated(mesh)
+    params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
+    shardings = TrainState(p_shard, opt_state_shardings(tx, params_abstract, p_shard, rep), rep)
+    flags = StepFlags.from_config(cfg)
+    dtype, ref = model.cfg.jnp_dtype, None
+    if abstract:
+        opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)
+        state = TrainState(
+            params_abstract,
+            _with_shardings(opt_state, shardings.opt_state),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+        )
+        if flags.compute_ref_logprobs:
+            ref = jax.eval_shape(lambda p: _reference_copy(p, dtype), params_abstract)
+            ref = _with_shardings(ref, p_shard)
+    else:
+        state = init_train_state(sharding.shard_params(params, p_shard), tx, shardings)
+        if flags.compute_ref_logprobs:
+            ref = _reference_copy(state.params, dtype)
+    return StepSetup(
+        cfg=cfg,
+        mesh=mesh,
+        graphdef=graphdef,
+        model_cfg=model.cfg,
+        flags=flags,
+        tx=tx,
+        shardings=shardings,
+        state=state,
+        ref_params=ref,
+        frozen=None,
+        hparams=make_hparams(cfg),
+        step_fn=make_train_step(flags, graphdef, tx, shardings),
+    )
 
 
 def forwards_in_hlo(hlo_text: str) -> list[str]:

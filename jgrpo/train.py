@@ -22,13 +22,12 @@ from typing import Any
 
 import jax
 import yaml
-from flax import nnx
 
-from jgrpo import sharding, step
+from jgrpo import step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, to_dict
 from jgrpo.metrics import MetricsLogger, plot_run
-from jgrpo.models import from_pretrained
+from jgrpo.models import from_pretrained, model_options
 from jgrpo.models.sources import check_model_path, resolve_model_path
 from jgrpo.rollout import (
     RolloutEngine,
@@ -81,18 +80,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     folder = resolve_model_path(cfg.model.path)
-    model = from_pretrained(folder, dtype=cfg.model.dtype)
-    graphdef, model_state = nnx.split(model)
-    mesh = sharding.make_mesh(cfg.mesh)
-    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
-    params = sharding.shard_params(nnx.to_pure_dict(model_state), p_shard)
-    flags = step.StepFlags.from_config(cfg)
-    ref_params = jax.tree.map(lambda x: x.copy(), params) if flags.compute_ref_logprobs else None
-
-    tx = step.make_optimizer(cfg)
-    rep = sharding.replicated(mesh)
-    shardings = step.TrainState(p_shard, step.opt_state_shardings(tx, params, p_shard, rep), rep)
-    state = step.init_train_state(params, tx, shardings)
+    model = from_pretrained(folder, **model_options(cfg.model))
+    built = step.build_step(cfg, model)
+    state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     start = 0
     restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
@@ -104,14 +94,14 @@ def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
 
     tokenizer = load_tokenizer(folder)
     engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
-    backend = make_backend(cfg, engine, graphdef, folder)
+    backend = make_backend(cfg, engine, built.graphdef, folder)
     return Trainer(
         cfg=cfg,
-        mesh=mesh,
+        mesh=built.mesh,
         state=state,
-        ref_params=ref_params,
-        hparams=step.make_hparams(cfg),
-        step_fn=step.make_train_step(flags, graphdef, tx, shardings),
+        ref_params=built.ref_params,
+        hparams=built.hparams,
+        step_fn=built.step_fn,
         task=task,
         backend=backend,
         checkpointer=checkpointer,
@@ -195,7 +185,7 @@ def train_one_step(t: Trainer, s: int, data_states: dict[int, dict]) -> dict[str
     start = time.perf_counter()
     result = t.backend.collect(s)
     gen_s = time.perf_counter() - start
-    batch = sharding.shard_batch(result.step_batch(), t.mesh)
+    batch = result.step_batch().shard(t.mesh)
     t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s

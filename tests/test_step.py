@@ -10,6 +10,7 @@ from conftest import make_rollout_batch
 from flax import nnx
 
 from jgrpo import losses, sharding, step
+from jgrpo.batch import TrainBatch
 from jgrpo.config import ConfigError, load_config
 from jgrpo.models import Transformer, TransformerConfig
 
@@ -41,18 +42,20 @@ def build(overrides=(), mesh_shape=(1, 1, 1), seed=0):
     )
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
     model = Transformer(MODEL, rngs=nnx.Rngs(seed), init_scale=0.2)
-    graphdef, model_state = nnx.split(model)
-    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(mesh_cfg))
-    params = sharding.shard_params(nnx.to_pure_dict(model_state), p_shard)
-    ref_params = jax.tree.map(lambda x: x * 0.9, params)
-    tx = step.make_optimizer(cfg)
-    rep = sharding.replicated(mesh)
-    shardings = step.TrainState(p_shard, step.opt_state_shardings(tx, params, p_shard, rep), rep)
-    state = step.init_train_state(params, tx, shardings)
-    flags = step.StepFlags.from_config(cfg)
-    fn = step.make_train_step(flags, graphdef, tx, shardings)
-    batch = sharding.shard_batch(make_rollout_batch(0), mesh)
-    return fn, state, ref_params, step.make_hparams(cfg), batch, mesh, graphdef, flags
+    built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    # a reference policy that differs from the initial one, so the KL terms are not 0
+    ref_params = jax.tree.map(lambda x: x * 0.9, built.state.params)
+    batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
+    return (
+        built.step_fn,
+        built.state,
+        ref_params,
+        built.hparams,
+        batch,
+        mesh,
+        built.graphdef,
+        built.flags,
+    )
 
 
 def compiled(overrides):
@@ -186,7 +189,7 @@ def test_nonfinite_update_is_skipped(rollout_batch):
     fn, state, ref, hp, _, mesh, *_ = build()
     bad = dict(rollout_batch, rewards=rollout_batch["rewards"] * np.nan)
     before = jax.tree.map(np.asarray, state.params)
-    state, metrics = fn(state, sharding.shard_batch(bad, mesh), hp, ref)
+    state, metrics = fn(state, TrainBatch(**bad).shard(mesh), hp, ref)
     assert float(metrics["train/skipped_updates"]) == 1.0
     assert int(state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), before)

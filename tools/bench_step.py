@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jgrpo import sharding, step
+from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.models import Transformer, TransformerConfig
 
@@ -65,15 +66,9 @@ def time_variant(overrides, rows, seq, repeats):
         + overrides,
     )
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    graphdef, model_state = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.1))
-    params = nnx.to_pure_dict(model_state)
-    tx = step.make_optimizer(cfg)
-    flags = step.StepFlags.from_config(cfg)
-    fn = step.make_train_step(flags, graphdef, tx)
-    state = step.init_train_state(params, tx)
-    ref = jax.tree.map(lambda x: x.copy(), params) if flags.compute_ref_logprobs else None
-    hp = step.make_hparams(cfg)
-    batch = sharding.shard_batch(make_batch(rows, seq, rows // 8), mesh)
+    built = step.build_step(cfg, Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.1), mesh=mesh)
+    fn, state, ref, hp = built.step_fn, built.state, built.ref_params, built.hparams
+    batch = TrainBatch(**make_batch(rows, seq, rows // 8)).shard(mesh)
     start = time.perf_counter()
     state, metrics = fn(state, batch, hp, ref)
     jax.block_until_ready(metrics)

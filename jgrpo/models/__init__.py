@@ -1,7 +1,9 @@
 """The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3) with HF weights in and out.
 
-Public API: `from_pretrained(path, dtype="float32")`, `save_pretrained(model, path)`,
-`Transformer`, `TransformerConfig`, `KVCache`.
+Public API: `from_pretrained(path, dtype="float32", param_dtype=None, **options)`,
+`save_pretrained(model, path)`, `read_hf_config(path, ...)`, `model_options(model_cfg)` (a run
+config's `model` section -> those keyword arguments), `Transformer`, `TransformerConfig`,
+`KVCache`.
 """
 
 import importlib
@@ -11,6 +13,8 @@ _EXPORTS = {
     "config_from_hf": "hf",
     "config_to_hf": "hf",
     "from_pretrained": "hf",
+    "model_options": "hf",
+    "read_hf_config": "hf",
     "save_pretrained": "hf",
     "KVCache": "transformer",
     "RopeScaling": "transformer",
@@ -27,14 +31,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jgrpo.models' has no attribute {name!r}")
 
 
-__all__ = [
-    "KVCache",
-    "ModelFormatError",
-    "RopeScaling",
-    "Transformer",
-    "TransformerConfig",
-    "config_from_hf",
-    "config_to_hf",
-    "from_pretrained",
-    "save_pretrained",
-]
+__all__ = sorted(_EXPORTS)

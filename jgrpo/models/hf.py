@@ -76,7 +76,12 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     )
 
 
-def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
+def config_from_hf(
+    hf: dict, dtype: str = "float32", param_dtype: str | None = None, **options
+) -> TransformerConfig:
+    """The TransformerConfig of an HF config.json dict. `dtype` is the compute dtype,
+    `param_dtype` the storage dtype (None = `dtype`: a pure float32 or bfloat16 model);
+    `options` are the remaining execution fields (remat, logprob_chunk_size)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
         raise ModelFormatError(
@@ -108,9 +113,11 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> TransformerConfig:
         qk_norm=family == "qwen3",
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         dtype=dtype,
+        param_dtype=param_dtype or dtype,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+        **options,
     )
 
 
@@ -137,7 +144,7 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "pad_token_id": cfg.pad_token_id,
-        "dtype": cfg.dtype,
+        "dtype": cfg.param_dtype,
     }
     if cfg.family == "llama":
         hf["attention_bias"] = cfg.attention_bias
@@ -259,9 +266,9 @@ def _take(tensors: dict, name: str, folder) -> np.ndarray:
 
 
 def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="checkpoint") -> None:
-    """Copy HF-named tensors into `model`'s parameters (cast to the model dtype)."""
+    """Copy HF-named tensors into `model`'s parameters (cast to the storage dtype)."""
     cfg = model.cfg
-    dtype = cfg.jnp_dtype
+    dtype = cfg.jnp_param_dtype
 
     def put(param, value):
         value = np.asarray(value)
@@ -306,13 +313,34 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- folders
 
 
-def from_pretrained(path, dtype: str = "float32") -> Transformer:
-    """Load an HF folder (Llama / Qwen2 / Qwen3) into a Transformer."""
-    folder = Path(path)
-    config_file = folder / "config.json"
+def model_options(model_cfg) -> dict:
+    """`config_from_hf` / `from_pretrained` keyword arguments of a run's `model` section
+    (jgrpo.config.ModelConfig): storage dtype = model.dtype, compute dtype = model.compute_dtype
+    with `auto` resolved on this process's default backend, remat and the logprob chunk size.
+    The one place the run config's precision options become the model's."""
+    return {
+        "dtype": model_cfg.resolved_compute_dtype(jax.default_backend()),
+        "param_dtype": model_cfg.dtype,
+        "remat": model_cfg.remat,
+        "logprob_chunk_size": model_cfg.logprob_chunk_size,
+    }
+
+
+def read_hf_config(path, **kwargs) -> TransformerConfig:
+    """The TransformerConfig of an HF folder's config.json (kwargs as `config_from_hf`)."""
+    config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise ModelFormatError(f"{folder}: no config.json (not an HF model folder)")
-    cfg = config_from_hf(json.loads(config_file.read_text()), dtype=dtype)
+        raise ModelFormatError(f"{path}: no config.json (not an HF model folder)")
+    return config_from_hf(json.loads(config_file.read_text()), **kwargs)
+
+
+def from_pretrained(
+    path, dtype: str = "float32", param_dtype: str | None = None, **options
+) -> Transformer:
+    """Load an HF folder (Llama / Qwen2 / Qwen3) into a Transformer; `dtype` is the compute
+    dtype, `param_dtype` the storage dtype (None = `dtype`), `options` as `config_from_hf`."""
+    folder = Path(path)
+    cfg = read_hf_config(folder, dtype=dtype, param_dtype=param_dtype, **options)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     _materialize(model)
     load_weights(model, read_hf_weights(folder), folder)

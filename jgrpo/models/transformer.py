@@ -2,8 +2,12 @@
 
 Covers HF LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (q/k RMSNorm,
 explicit head_dim): RMSNorm, RoPE (default and llama3 scaling), GQA/MQA, SwiGLU, tied or untied
-embeddings, float32 or bfloat16 parameters. Numerics follow transformers' PyTorch forward:
-norms, softmax and RoPE tables in float32, logits returned in float32.
+embeddings. Numerics follow transformers' PyTorch forward: norms, softmax and RoPE tables in
+float32, logits returned in float32.
+
+Precision: parameters are stored in `cfg.param_dtype` and cast to the compute dtype
+`cfg.dtype` at use (per layer inside the layer scan), so float32 master weights with bfloat16
+compute (mixed precision) and pure bfloat16 both work; logits and logprobs are float32.
 
 Layers are stored stacked along a leading `layers` axis and run with `lax.scan`, so a 30-layer
 model compiles as fast as a 2-layer one. Every parameter carries logical axis names in its
@@ -19,6 +23,9 @@ Entry points:
 - `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv: causal
   attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
   positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
+- `model.token_logprobs(input_ids_bt, attention_mask_bt, temperature)` -> [b, t] float32
+  logprobs of the given tokens, computed in chunks of positions without [b, t, v] logits (the
+  trainer's forward); `cfg.remat` rematerialises the layer stack in its backward.
 - `model.prefill(input_ids_bt, positions_bt, attention_mask_bt, cache_len)` -> (logits_bv of the
   last position, KVCache): the same forward, keeping every layer's keys/values in cache slots
   [0, t) of a `cache_len`-slot cache.
@@ -32,6 +39,7 @@ The sampler (`jgrpo.sampling`) is their user.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -76,14 +84,41 @@ class TransformerConfig:
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
     max_position_embeddings: int = 2048
     dtype: str = "float32"
-    """Parameter and activation dtype: float32 | bfloat16."""
+    """Compute dtype (activations, matmul inputs; params are cast to it at use): float32 |
+    bfloat16. Logits and logprobs are float32 whatever it is."""
+    param_dtype: str = "float32"
+    """Storage dtype of the parameters (init and load): float32 | bfloat16."""
+    remat: str = "none"
+    """Recompute each layer in the backward of `__call__` / `token_logprobs`: none | full | dots
+    (`REMAT_POLICIES`)."""
+    logprob_chunk_size: int = 128
+    """Tokens along T per chunk of `token_logprobs`' LM head + log-softmax (0 = one chunk)."""
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: Optional[int] = None
 
     @property
     def jnp_dtype(self):
+        """The compute dtype."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer: its input is the only residual
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep weight matmuls
+}
+"""jax.checkpoint policies of `TransformerConfig.remat` (none = no jax.checkpoint)."""
+
+
+def cast_floats(tree, dtype):
+    """Every floating leaf of `tree` as `dtype` (the compute-dtype cast of parameters)."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 class KVCache(NamedTuple):
@@ -253,7 +288,7 @@ class Transformer(nnx.Module):
             cfg.num_layers,
             cfg.vocab_size,
         )
-        dt, s = cfg.jnp_dtype, init_scale
+        dt, s = cfg.jnp_param_dtype, init_scale
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), dt, s)
         layers = {
             "attn_norm": _param(rngs, (l, d), ("layers", "norm"), dt, None),
@@ -279,15 +314,22 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), dt, s)
 
     def _layer_params(self):
+        """The stacked layer parameters as stored (param_dtype)."""
         return {name: p[...] for name, p in self.layers.items()}
 
+    def _head(self):
+        """The LM head [d, v] as stored (the transposed embedding when tied)."""
+        return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+
+    def _final_norm(self, x_btd):
+        return rms_norm(x_btd, self.final_norm[...].astype(x_btd.dtype), self.cfg.rms_norm_eps)
+
     def _logits(self, x_btd):
-        x_btd = rms_norm(x_btd, self.final_norm[...], self.cfg.rms_norm_eps)
-        if self.cfg.tie_word_embeddings:
-            head_dv = self.embed[...].T
-        else:
-            head_dv = self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", x_btd, head_dv, preferred_element_type=jnp.float32)
+        """Final norm + LM head -> float32 logits (matmul inputs in the compute dtype)."""
+        head_dv = self._head().astype(self.cfg.jnp_dtype)
+        return jnp.einsum(
+            "btd,dv->btv", self._final_norm(x_btd), head_dv, preferred_element_type=jnp.float32
+        )
 
     def layer_weights(self) -> tuple[dict, ...]:
         """Every layer's weights in inference layout (`_fuse_layer_params`), each as its own
@@ -314,17 +356,72 @@ class Transformer(nnx.Module):
         causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
         return causal_ts[None] & mask_bt[:, None, :], rope
 
-    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+    def _hidden(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+        """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
+
+        Each layer's stored weights are cast to the compute dtype inside the scan body, so no
+        full-model copy in the compute dtype exists, and in the backward their gradients leave
+        the body in the stored dtype. With `cfg.remat` the body is a `jax.checkpoint`: the
+        backward keeps only each layer's input (full) or also its weight-matmul outputs (dots)
+        and recomputes the rest."""
         cfg = self.cfg
         mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
 
         def layer(x_btd, p):
+            p = cast_floats(p, cfg.jnp_dtype)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
             return _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts)), None
 
-        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
+        if cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
-        return self._logits(x_btd)
+        return x_btd
+
+    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+        """-> float32 logits [b, t, v] (see the module docstring)."""
+        return self._logits(self._hidden(input_ids_bt, positions_bt, attention_mask_bt))
+
+    def token_logprobs(self, input_ids_bt, attention_mask_bt=None, temperature=1.0):
+        """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
+        temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
+        without ever holding [b, t, v] logits.
+
+        The LM head, log-sum-exp and the gathered target logit run over chunks of
+        `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
+        backward recomputes its logits too: memory O(b x chunk x v). Chunks run along t, so
+        the batch axis keeps its sharding. The head is cast to the compute dtype inside the
+        chunk, so its gradient accumulates over chunks in the stored dtype."""
+        cfg = self.cfg
+        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt))
+        b, t = input_ids_bt.shape
+        c = min(cfg.logprob_chunk_size or t, t)
+        k = -(-t // c)
+        # position i scores token i + 1; the last position's target is a dummy, dropped below
+        targets_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, k * c - t + 1)))
+        x_btd = jnp.pad(x_btd, ((0, 0), (0, k * c - t), (0, 0)))
+        x_kbcd = jnp.swapaxes(x_btd.reshape(b, k, c, -1), 0, 1)
+        targets_kbc = jnp.swapaxes(targets_bt.reshape(b, k, c), 0, 1)
+        temperature = jnp.asarray(temperature, jnp.float32)
+        temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
+        head_dv = self._head()
+
+        @functools.partial(jax.checkpoint, prevent_cse=False)
+        def chunk(xs):
+            x_bcd, targets_bc = xs
+            logits_bcv = jnp.einsum(
+                "bcd,dv->bcv",
+                x_bcd,
+                head_dv.astype(cfg.jnp_dtype),
+                preferred_element_type=jnp.float32,
+            )
+            logits_bcv = logits_bcv / temperature
+            picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+            return picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1)
+
+        lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
+        lp_bt = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, : t - 1]
+        return jnp.pad(lp_bt, ((0, 0), (1, 0)))
 
     def prefill(
         self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None

@@ -4,12 +4,10 @@
 settings; it does not own weights: each call receives the (graphdef, params) to sample from, so
 the in-process backend samples from the trainer's own arrays and a Ray worker from its copy.
 
-The batch it returns is the trainer's input (the step's batch contract, numpy only):
-  input_ids [B, T] (left-padded prompt ++ completion, pad after the end), attention_mask [B, T],
-  token_mask [B, T] (1 on generated tokens, the stop token included), generation_logprobs [B, T]
-  (the sampler's logprob of each generated token, aligned with it; 0 elsewhere), rewards [B],
-  group_ids [B] (the prompt's index in the step), sample_mask [B], plus weight_version [B]
-  (the params version each row was sampled with), lengths [B] and truncated [B].
+The batch it returns (numpy) holds the trainer's input, the fields of `jgrpo.batch.TrainBatch`
+(`RolloutResult.step_batch()`; group_ids = the prompt's index in the step), plus rollout
+statistics: weight_version [B] (the params version each row was sampled with), lengths [B],
+truncated [B] and correct [B].
 B = len(examples) x G; T = P + N with P the bucketed prompt width and N = max_new_tokens.
 """
 
@@ -23,17 +21,11 @@ import jax
 import numpy as np
 
 from jgrpo import sampling
+from jgrpo.batch import TrainBatch
 from jgrpo.config import Config
 
-STEP_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "token_mask",
-    "generation_logprobs",
-    "rewards",
-    "group_ids",
-    "sample_mask",
-)
+STEP_KEYS = tuple(TrainBatch.FIELDS)
+"""The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
 
 
 @dataclasses.dataclass
@@ -45,8 +37,9 @@ class RolloutResult:
     samples: list[dict[str, Any]]
     """A few (prompt, completion, reward) records for logging."""
 
-    def step_batch(self) -> dict[str, np.ndarray]:
-        return {k: self.batch[k] for k in STEP_KEYS}
+    def step_batch(self) -> TrainBatch:
+        """The train step's input: the TrainBatch fields of `batch` (checked)."""
+        return TrainBatch.from_mapping(self.batch)
 
 
 def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> RolloutResult:
@@ -155,7 +148,7 @@ class RolloutEngine:
 
 
 def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dict:
-    """Prompt ++ completion arrays in the step's batch contract."""
+    """Prompt ++ completion arrays: the TrainBatch fields plus the rollout statistics."""
     b, n = gen.tokens.shape
     p = gen.prompt_tokens.shape[1]
     prompt_mask = np.arange(p)[None, :] >= (p - gen.prompt_lengths[:, None])
@@ -223,11 +216,11 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     import json
     from pathlib import Path
 
-    from jgrpo.models import config_from_hf
+    from jgrpo.models import config_from_hf, model_options
     from jgrpo.tasks import make_task
 
     hf = json.loads((Path(model_folder) / "config.json").read_text())
-    model_cfg = config_from_hf(hf, dtype=cfg.model.dtype)
+    model_cfg = config_from_hf(hf, **model_options(cfg.model))
     task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)

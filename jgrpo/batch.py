@@ -1,0 +1,117 @@
+"""The rollout -> trainer batch: one typed definition of what a train step consumes.
+
+`TrainBatch` is a `flax.struct.dataclass` (a pytree: it passes through `jax.jit`, `jax.tree`
+and `jax.eval_shape` as its seven arrays). Per-token arrays are [B, T] and aligned with the
+tokens they score (`generation_logprobs[:, t]` is the sampler's logprob of `input_ids[:, t]`);
+per-row arrays are [B]. `FIELDS` holds every field's axes and dtype:
+
+  input_ids           [B, T] int32    left-padded prompt ++ completion, pad after the end
+  attention_mask      [B, T] float32  1 on real tokens (prompt and completion)
+  token_mask          [B, T] float32  1 on generated tokens (the stop token included)
+  generation_logprobs [B, T] float32  the sampler's logprob of each generated token, 0 elsewhere
+  rewards             [B]    float32  the scalar reward of each row
+  group_ids           [B]    int32    rows of one prompt share an id (the group of GRPO)
+  sample_mask         [B]    float32  1 = the row takes part in the loss
+
+API:
+- `TrainBatch(**arrays)`; `TrainBatch.from_mapping(d)` takes the fields of a larger dict (the
+  rollout engine's batch carries extra statistics) and checks shapes and dtypes.
+- `TrainBatch.abstract(rows, tokens, mesh=None)`: the batch of `jax.ShapeDtypeStruct`s (with
+  the batch sharding when a mesh is given) that inspect-step and compile-only tools lower on.
+- `batch.shard(mesh)`: host (numpy) -> device arrays split over the mesh's batch axes through
+  `sharding.shard_batch` (`jax.make_array_from_process_local_data`: on several hosts, each
+  process passes its own rows and the result is the global batch).
+- `batch["input_ids"]`, `batch.keys()`, `batch.items()`, `batch.as_dict()`: mapping-style access,
+  which the step's internals and the losses use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from flax import struct
+
+from jgrpo import sharding
+
+
+@struct.dataclass
+class TrainBatch:
+    """One rollout batch as the train step consumes it (see the module docstring)."""
+
+    input_ids: Any
+    attention_mask: Any
+    token_mask: Any
+    generation_logprobs: Any
+    rewards: Any
+    group_ids: Any
+    sample_mask: Any
+
+    FIELDS: ClassVar[dict[str, tuple[str, Any]]] = {
+        "input_ids": ("bt", np.int32),
+        "attention_mask": ("bt", np.float32),
+        "token_mask": ("bt", np.float32),
+        "generation_logprobs": ("bt", np.float32),
+        "rewards": ("b", np.float32),
+        "group_ids": ("b", np.int32),
+        "sample_mask": ("b", np.float32),
+    }
+    """field -> (axes: b rows, t tokens; dtype)."""
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_mapping(cls, data) -> TrainBatch:
+        """The step's fields of `data` (extra keys ignored), checked: see `check`."""
+        return cls(**{name: data[name] for name in cls.FIELDS}).check()
+
+    @classmethod
+    def abstract(cls, rows: int, tokens: int, mesh=None) -> TrainBatch:
+        """ShapeDtypeStructs of a [rows, tokens] batch; batch-sharded over `mesh` if given."""
+
+        def struct_of(axes, dtype):
+            shape = (rows, tokens)[: len(axes)]
+            shard = None if mesh is None else sharding.batch_sharding(mesh, len(shape))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=shard)
+
+        return cls(**{name: struct_of(*spec) for name, spec in cls.FIELDS.items()})
+
+    def check(self) -> TrainBatch:
+        """Raise ValueError unless every field has its dtype and all share B (and T)."""
+        rows, tokens = self.input_ids.shape[:1], self.input_ids.shape[:2]
+        for name, (axes, dtype) in self.FIELDS.items():
+            value = getattr(self, name)
+            want = tokens if axes == "bt" else rows
+            if tuple(value.shape) != tuple(want) or np.dtype(value.dtype) != dtype:
+                raise ValueError(
+                    f"TrainBatch.{name}: {value.dtype}{list(value.shape)}, want "
+                    f"{np.dtype(dtype)}{list(want)}"
+                )
+        return self
+
+    def shard(self, mesh) -> TrainBatch:
+        """This process's rows (numpy) -> global device arrays split over data x fsdp."""
+        return TrainBatch(**sharding.shard_batch(self.check().as_dict(), mesh))
+
+    # ------------------------------------------------------------------ mapping access
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def keys(self):
+        return self.as_dict().keys()
+
+    def items(self):
+        return self.as_dict().items()
+
+    def __getitem__(self, name: str):
+        if name not in self.FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, T)."""
+        return tuple(self.input_ids.shape)

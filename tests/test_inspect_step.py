@@ -1,0 +1,91 @@
+"""inspect-step tells the truth at a real model shape: flops over every loop trip (1 and 2
+microbatches agree; the analytic count agrees), per-device bytes, no [B, T, V] logits."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from jgrpo.config import load_config
+from jgrpo.inspect_step import hlo_dot_flops, inspect_step
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 49152,
+}
+
+
+def test_hlo_dot_flops_counts_every_trip():
+    """A scan of 3 matmuls and a map of 4: hand-counted flops, which XLA counts once per body."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(w_lab, x_ab):
+        y_ab, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x_ab, w_lab)
+        return jax.lax.map(lambda r: r @ r.T, y_ab.reshape(4, 2, -1))
+
+    compiled = jax.jit(f).lower(jnp.ones((3, 16, 16)), jnp.ones((8, 16))).compile()
+    flops, known = hlo_dot_flops(compiled.as_text())
+    assert known
+    assert flops == 3 * (2 * 8 * 16 * 16) + 4 * (2 * 2 * 2 * 16)
+    assert compiled.cost_analysis()["flops"] < 0.6 * flops  # what it replaces
+
+
+@pytest.mark.slow
+def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))  # nothing else
+    base = [
+        f"model.path={tmp_path}",
+        "model.compute_dtype=bfloat16",
+        "model.remat=full",
+        "model.logprob_chunk_size=32",
+        "mesh.fsdp=8",
+        "mesh.data=1",
+        "loss.reference_policy_kl_penalty=0.1",
+        "grpo.num_prompts_per_step=2",
+        "grpo.num_generations_per_prompt=8",
+        "rollout.prompt_bucket=16",
+        "rollout.max_new_tokens=48",
+    ]
+    reports = {
+        mb: inspect_step(load_config(TINY, [*base, f"grpo.num_microbatches={mb}"])) for mb in (1, 2)
+    }
+    one, two = reports[1], reports[2]
+    assert one["num_params"] == 134_515_008  # SmolLM2-135M
+    assert one["forwards"] == one["forwards_traced"] == ["ref", "prev", "policy"]
+    # every trip counted: the microbatch count does not change the work
+    assert one["flops_trip_counts_known"] and two["flops_trip_counts_known"]
+    assert two["flops"] == pytest.approx(one["flops"], rel=0.02)
+    assert one["flops"] == pytest.approx(one["flops_analytic"], rel=0.05)
+    assert one["flops_xla_cost_analysis"] < 0.2 * one["flops"]  # XLA: each loop body once
+    # float32 master weights split 8 ways (norms replicated), float32 Adam moments, bf16 ref
+    assert 4 * 134_515_008 / 8 <= one["param_bytes_per_device"] < 4 * 134_515_008 / 7.9
+    assert one["opt_state_bytes_per_device"] == pytest.approx(
+        2 * one["param_bytes_per_device"], rel=0.001
+    )
+    assert one["ref_param_bytes_per_device"] == pytest.approx(
+        one["param_bytes_per_device"] / 2, rel=0.001
+    )
+    # the [B, T, V] float32 logits of one device's rows would alone exceed the temporaries
+    rows_per_device, tokens = 16 // 8, 64
+    logits_bytes = rows_per_device * tokens * 49152 * 4
+    assert 0 < one["temp_bytes_per_device"] < logits_bytes
+    assert one["peak_bytes_per_device_estimate"] > one["temp_bytes_per_device"]
+    # the sampler's bf16 KV cache: rows x slots x (k and v) x layers x kv heads x head dim x 2
+    assert one["kv_cache_bytes"] == 16 * 64 * 2 * 30 * 3 * 64 * 2
+    assert one["kv_cache_bytes_per_device"] == one["kv_cache_bytes"] // 8
+    assert math.isfinite(one["flops"]) and one["flops"] > 0
