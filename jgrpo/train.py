@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import yaml
 
-from jgrpo import step
+from jgrpo import sharding, step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, to_dict
 from jgrpo.metrics import MetricsLogger, plot_run
