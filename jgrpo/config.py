@@ -110,12 +110,12 @@ class DataConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class AdvantageConfig:
-    """How rewards become advantages (REFERENCE.md, Advantages)."""
+    """How rewards become advantages (docs/losses.md, Advantages)."""
 
     estimator: Literal["grpo", "dr_grpo", "reinforce_plus_plus"] = "grpo"
     """grpo: group baseline (+ std); dr_grpo: no std; reinforce_plus_plus: global whitening."""
     normalize_rewards: bool = True
-    """grpo: divide by the group's Bessel std + 1e-6."""
+    """grpo: divide by the Bessel std + 1e-6 (leave-one-out: the others' std; 0 = no division)."""
     use_leave_one_out_baseline: bool = False
     """Baseline is the mean of the other group members instead of the whole group."""
     advantage_clip_low: Optional[float] = None

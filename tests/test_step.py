@@ -131,7 +131,7 @@ def grads_for(num_microbatches, overrides=()):
             "loss.use_importance_sampling_correction=true",
             "loss.truncated_importance_sampling_type=tis",
             "loss.truncated_importance_sampling_ratio=1.5",
-            "grpo.seq_logprob_error_threshold=1.9",
+            "loss.truncated_importance_sampling_ratio_min=0.5",  # the row weights are ~e^-10
         ],
     ],
 )
