@@ -109,7 +109,11 @@ def build_config(
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
         data = {**data, "data": section}
-    return validate(from_dict(Config, data))
+    cfg = validate(from_dict(Config, data))
+    from jgrpo.tasks.task import check_rewards_given
+
+    check_rewards_given(cfg.data)
+    return cfg
 
 
 class GRPOTrainer:

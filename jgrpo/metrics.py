@@ -254,7 +254,8 @@ class MetricsLogger:
         with open(path, "a") as fh:
             fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
         text = "\n\n".join(
-            f"**reward {r.get('reward')}**\n\n    {r.get('prompt')!s}\n    -> {r.get('completion')!s}"
+            f"**reward {r.get('reward')}**\n\n    {r.get('prompt')!s}\n    -> "
+            f"{r.get('completion')!s}"
             for r in rows
         )
         if self._tb is not None:

@@ -178,6 +178,8 @@ def run(
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+                if cfg.checkpoint.export_hf:
+                    save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
         save_final(t, run_dir / FINAL_DIR)
     except RolloutFailure as e:
@@ -260,9 +262,7 @@ def summarize(history: list[dict]) -> str:
     first, last = history[0], history[-1]
     rows = [("step", first["step"], last["step"])]
     if "val/accuracy" in first:  # tasks with a verifier
-        rows.append(
-            ("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}")
-        )
+        rows.append(("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"))
     rows += [
         ("val/reward_mean", f"{first['val/reward_mean']:.3f}", f"{last['val/reward_mean']:.3f}"),
         ("val/length_mean", f"{first['val/length_mean']:.1f}", f"{last['val/length_mean']:.1f}"),

@@ -27,12 +27,14 @@ RECORDS = [
     {"prompt": "1+2=", "target": "3"},
     {"prompt": [{"role": "user", "content": "4+4="}], "target": "8"},
     {"prompt": "5-1=", "target": "4"},
-    {"prompt": [{"role": "system", "content": "math"}, {"role": "user", "content": "2+7="}],
-     "target": "9"},
+    {
+        "prompt": [{"role": "system", "content": "math"}, {"role": "user", "content": "2+7="}],
+        "target": "9",
+    },
     {"prompt": "6+0=", "target": "6"},
     {"prompt": [{"role": "user", "content": "3+3="}], "target": "6"},
 ]
-REWARD_MODULE = '''
+REWARD_MODULE = """
 import json, os
 
 def matches_target(prompts, completions, target, **kwargs):
@@ -41,7 +43,7 @@ def matches_target(prompts, completions, target, **kwargs):
             fh.write(json.dumps([p, t]) + "\\n")
     text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [float(t in c) if len(c) % 3 else None for c, t in zip(text, target)]
-'''
+"""
 QUICK = [
     "data.task=prompts",
     "data.num_val_examples=2",
@@ -93,8 +95,14 @@ def test_prompts_dataset_and_batched_reward_via_cli_and_api(tmp_path, monkeypatc
     run_dir = tmp_path / "cli"
     code = cli.main(
         [
-            "train", "--config", TINY, "--run-dir", str(run_dir), *QUICK,
-            f"model.path={model}", f"data.train_path={data}",
+            "train",
+            "--config",
+            TINY,
+            "--run-dir",
+            str(run_dir),
+            *QUICK,
+            f"model.path={model}",
+            f"data.train_path={data}",
             "data.reward_functions=[{function: 'my_rewards:matches_target', weight: 2.0}]",
         ]
     )
@@ -107,7 +115,7 @@ def test_prompts_dataset_and_batched_reward_via_cli_and_api(tmp_path, monkeypatc
     assert all(r["reward/num_none"] is not None for r in rows)
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {1, 2, 3} and "completion" in samples[0]
-    assert (run_dir / "final" / "config.json").is_file()
+    _check_final_folder(run_dir / "final")  # `jgrpo train` on configs/tiny.yaml left it
 
     # 2. the Python API, model from a (faked) HF cache, the reward as a function object
     monkeypatch.setenv("HF_HUB_CACHE", str(_hf_cache(tmp_path / "hub", "someone/tiny-chat", model)))
@@ -128,8 +136,9 @@ def test_prompts_dataset_and_batched_reward_via_cli_and_api(tmp_path, monkeypatc
     assert (result.model_dir / "model.safetensors").is_file()
 
 
-@pytest.mark.slow
-def test_final_folder_loads_in_transformers_with_equal_logits(tmp_path, capsys):
+def _check_final_folder(final: Path) -> None:
+    """RUN_DIR/final/ is an HF folder of the trained weights; transformers' float32 forward
+    gives jgrpo's logits (1e-4)."""
     import jax.numpy as jnp
     import torch
     import transformers
@@ -137,15 +146,14 @@ def test_final_folder_loads_in_transformers_with_equal_logits(tmp_path, capsys):
     from jgrpo.models import from_pretrained
     from jgrpo.models.hf import read_hf_weights
 
-    run_dir = tmp_path / "run"
-    code = cli.main(["train", "--config", TINY, "--run-dir", str(run_dir),
-                     "grpo.max_num_steps=2", "grpo.val_at_start=false", "grpo.val_at_end=false",
-                     "logging.tensorboard=false"])
-    assert code == 0, capsys.readouterr().err
-    final = run_dir / "final"
     names = {p.name for p in final.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     trained, initial = read_hf_weights(final), read_hf_weights(tiny_qwen2_folder())
     assert trained.keys() == initial.keys()
     assert any(not np.array_equal(trained[k], initial[k]) for k in trained)  # it trained
@@ -186,8 +194,11 @@ def test_model_path_hub_id_from_the_local_cache(tmp_path, monkeypatch):
     folder = resolve_model_path("org/tiny")
     assert folder == cache / "models--org--tiny" / "snapshots" / ("a" * 40)
     assert (folder / "config.json").is_file()
-    with pytest.raises(ConfigError, match=r"^model\.path: 'org/missing' is not a folder and not "
-                       r"a model in the local Hugging Face cache"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.path: 'org/missing' is not a folder and not "
+        r"a model in the local Hugging Face cache",
+    ):
         check_model_path("org/missing")
 
 
@@ -216,5 +227,6 @@ def test_import_jgrpo_is_cheap_and_curated():
         "print(sorted(n for n in dir(jgrpo) if not n.startswith('_')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(sorted(["Config", "ConfigError", "GRPOTrainer",
-                                             "TrainResult", "load_config"]))
+    assert out.stdout.strip() == str(
+        sorted(["Config", "ConfigError", "GRPOTrainer", "TrainResult", "load_config"])
+    )

@@ -262,9 +262,7 @@ def test_error_messages_name_key_and_file(tmp_path):
 
 
 def _reward_cfg(specs, per_sample=True, **kw):
-    fns = tuple(
-        RewardFunctionConfig(function=s, weight=w, per_sample=per_sample) for s, w in specs
-    )
+    fns = tuple(RewardFunctionConfig(function=s, weight=w, per_sample=per_sample) for s, w in specs)
     return DataConfig(task="arithmetic", reward_functions=fns, num_val_examples=4, **kw)
 
 
@@ -485,8 +483,11 @@ PROMPT_RECORDS = [
     {"prompt": "plain 0", "bonus": 1.0, "tag": "a"},
     {"prompt": [{"role": "user", "content": "chat 1"}], "bonus": None, "tag": "b"},
     {"prompt": "plain 2", "bonus": 3.0, "tag": "c"},
-    {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "chat 3"}],
-     "bonus": 4.0, "tag": "d"},
+    {
+        "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "chat 3"}],
+        "bonus": 4.0,
+        "tag": "d",
+    },
 ]
 
 
@@ -504,7 +505,8 @@ def test_prompts_task_batched_reward_sees_columns_per_row(
     monkeypatch.setenv("JGRPO_TEST_CALLS", str(calls))
     path = _write_jsonl(tmp_path / "p.jsonl", PROMPT_RECORDS)
     cfg = _prompts_cfg(
-        path, [(f"{batched_module}:by_column", 0.5), (f"{batched_module}:all_none", 2.0)],
+        path,
+        [(f"{batched_module}:by_column", 0.5), (f"{batched_module}:all_none", 2.0)],
         shuffle=False,
     )
     task = make_task(cfg, 0)
@@ -529,9 +531,11 @@ def test_prompts_task_batched_reward_sees_columns_per_row(
         assert seen["other"] == ["tag"] and seen["ids"] == ids
         for r, c in zip(rows, seen["completions"]):  # chat prompts get chat completions
             plain = isinstance(PROMPT_RECORDS[r]["prompt"], str)
-            assert c == (completions[rows.index(r)] if plain else [
-                {"role": "assistant", "content": completions[rows.index(r)]}
-            ])
+            assert c == (
+                completions[rows.index(r)]
+                if plain
+                else [{"role": "assistant", "content": completions[rows.index(r)]}]
+            )
         bonus = [PROMPT_RECORDS[r]["bonus"] for r in rows]
         expected = [0.0 if b is None else 0.5 * (b + len(c)) for b, c in zip(bonus, completions)]
         np.testing.assert_allclose(rewards, expected)
@@ -550,8 +554,12 @@ def test_batched_reward_failures_are_contained(batched_module, tmp_path, capfd):
     m = batched_module
     cfg = _prompts_cfg(
         path,
-        [(f"{m}:raises", 1.0), (f"{m}:interrupt", 1.0), (f"{m}:wrong_length", 1.0),
-         (f"{m}:hangs", 1.0)],
+        [
+            (f"{m}:raises", 1.0),
+            (f"{m}:interrupt", 1.0),
+            (f"{m}:wrong_length", 1.0),
+            (f"{m}:hangs", 1.0),
+        ],
         reward_timeout_s=0.5,
     )
     task = make_task(cfg, 0)
@@ -613,7 +621,9 @@ def test_null_prompts_and_questions_are_rejected_naming_the_record(tmp_path):
     records[2]["prompt"] = None
     path = _write_jsonl(tmp_path / "p.jsonl", records)
     fn = "os.path:join"
-    with pytest.raises(ConfigError, match=r"^data\.prompt_key: record 2 of .*p\.jsonl.* null 'prompt'"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.prompt_key: record 2 of .*p\.jsonl.* null 'prompt'"
+    ):
         make_task(_prompts_cfg(path, [(fn, 1)]), 0)
     with pytest.raises(ConfigError, match=r"^data\.prompt_key: record 2 of train_dataset"):
         make_task(_prompts_cfg(None, [(fn, 1)]), 0, train_dataset=records)
@@ -635,7 +645,9 @@ def test_hf_dataset_id_from_the_local_cache(tmp_path, monkeypatch):
     data = repo / "snapshots" / rev / "data"
     data.mkdir(parents=True)
     datasets.Dataset.from_list(GSM8K_RECORDS).to_parquet(str(data / "train-00000-of-00001.parquet"))
-    datasets.Dataset.from_list(GSM8K_RECORDS[:3]).to_parquet(str(data / "test-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(GSM8K_RECORDS[:3]).to_parquet(
+        str(data / "test-00000-of-00001.parquet")
+    )
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = DataConfig(task="gsm8k", train_path="someone/prompts", val_path="someone/prompts")

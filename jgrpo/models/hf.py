@@ -374,8 +374,6 @@ def save_pretrained(
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, folder / name)
     if not (folder / "generation_config.json").is_file():
-        generation = {
-            k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config
-        }
+        generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
         (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return folder

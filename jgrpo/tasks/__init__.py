@@ -7,10 +7,11 @@
     rewards_n, info = task.score(prompts, completions, examples, completion_ids)
     task.val                                            # fixed held-out list[Example]
 
-Example fields (plain dicts): `id` ("train/17", "val/3"), `task`; built-in tasks add `question`, `answer` (the
-reference: a number string for arithmetic/gsm8k, a solution expression for countdown, possibly
-"" from files); gsm8k/file records add `solution` (the full answer text); countdown adds
-`numbers` (list[int]) and `target` (int); task `prompts` adds `row` (the dataset record).
+Example fields (plain dicts): `id` ("train/17", "val/3"), `task`; built-in tasks add
+`question`, `answer` (the reference: a number string for arithmetic/gsm8k, a solution
+expression for countdown, possibly "" from files); gsm8k/file records add `solution` (the
+full answer text); countdown adds `numbers` (list[int]) and `target` (int); task `prompts`
+adds `row` (the dataset record).
 
 Bare prompts (no chat template; completion = reference_completion + EOS):
     arithmetic  "12+34-5="            -> "41"

@@ -66,7 +66,7 @@ def _quiet_datasets() -> Iterator[Any]:
     import datasets
     from datasets.utils import logging as ds_logging
 
-    was_disabled = datasets.is_progress_bar_enabled() is False
+    was_enabled = datasets.is_progress_bar_enabled()
     level = ds_logging.get_verbosity()
     datasets.disable_progress_bars()
     ds_logging.set_verbosity_error()
@@ -74,7 +74,7 @@ def _quiet_datasets() -> Iterator[Any]:
         yield datasets
     finally:
         ds_logging.set_verbosity(level)
-        if not was_disabled:
+        if was_enabled:
             datasets.enable_progress_bars()
 
 
@@ -119,8 +119,8 @@ def _load_file(path: Path, key: str):
     try:  # name the line or the encoding when we can
         if builder == "json":
             _diagnose_json(path, key)
-        else:
-            path.read_bytes().decode("utf-8") if builder == "csv" else None
+        elif builder == "csv":
+            path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{key}: {str(path)!r} is not UTF-8 text") from None
     raise ConfigError(f"{key}: cannot read {str(path)!r} ({detail})")
@@ -151,7 +151,9 @@ def _load_folder(path: Path, key: str, split: str):
             return datasets.load_from_disk(str(path))
         except Exception as e:  # noqa: BLE001
             detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-            raise ConfigError(f"{key}: cannot read HF datasets folder {str(path)!r} ({detail})")
+            raise ConfigError(
+                f"{key}: cannot read HF datasets folder {str(path)!r} ({detail})"
+            ) from None
 
 
 def _hub_snapshot(repo_id: str) -> Optional[Path]:
@@ -190,7 +192,9 @@ def _load_hub(repo_id: str, key: str, split: str):
             raise
         except Exception as e:  # noqa: BLE001
             detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-            raise ConfigError(f"{key}: cannot read cached HF dataset {repo_id!r} ({detail})")
+            raise ConfigError(
+                f"{key}: cannot read cached HF dataset {repo_id!r} ({detail})"
+            ) from None
 
 
 def load_table(spec: str, key: str, split: str = "train"):

@@ -254,9 +254,7 @@ def _columns(records: Sequence[dict], start: int, stop: int) -> dict[str, list]:
     keys: dict[str, None] = {}
     for r in records[start:stop]:
         keys.update(dict.fromkeys(r))
-    return {
-        k: [r.get(k) for r in records[start:stop]] for k in keys if k not in _RESERVED
-    }
+    return {k: [r.get(k) for r in records[start:stop]] for k in keys if k not in _RESERVED}
 
 
 def serve(conn: Connection, write_fd: int, init: dict) -> None:
@@ -297,7 +295,9 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                     signal.setitimer(signal.ITIMER_REAL, timeout_s)
                     try:
                         result = fns[f](
-                            prompts=prompts[start:stop], completions=completions[start:stop], **kwargs
+                            prompts=prompts[start:stop],
+                            completions=completions[start:stop],
+                            **kwargs,
                         )
                     finally:
                         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -52,6 +52,16 @@ _VAL_SEED = 20_240_601
 _MAX_REJECTS = 10_000
 
 
+def check_rewards_given(cfg: DataConfig) -> None:
+    """A task without a verifier needs a reward function (the Python API adds its reward_funcs
+    to data.reward_functions first, so this is not a `validate` rule)."""
+    if not getattr(_KINDS.get(cfg.task), "has_verifier", True) and not cfg.reward_functions:
+        raise ConfigError(
+            f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
+            "one reward function"
+        )
+
+
 class Task:
     """Data, prompts and rewards of one run; build it with `make_task`.
 
@@ -74,6 +84,7 @@ class Task:
                 f"data.task: {cfg.task!r} is not allowed; choose one of "
                 f"{', '.join(map(repr, _KINDS))}"
             )
+        check_rewards_given(cfg)
         self.cfg = cfg
         self.seed = int(seed)
         self.kind = _KINDS[cfg.task](cfg)
@@ -282,7 +293,9 @@ class Task:
                     num_errors += 1
             rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
         if hasattr(self.kind, "reward_inputs"):
-            pairs = [self.kind.reward_inputs(e, p, c) for e, p, c in zip(examples, prompts, completions)]
+            pairs = [
+                self.kind.reward_inputs(e, p, c) for e, p, c in zip(examples, prompts, completions)
+            ]
             r_prompts, r_completions = [p for p, _ in pairs], [c for _, c in pairs]
             records = [self.kind.reward_record(e) for e in examples]
         else:
