@@ -2,7 +2,9 @@
 `jgrpo.GRPOTrainer`, the RUN_DIR/final/ HF folder, and model ids from the local HF cache."""
 
 import json
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +232,55 @@ def test_import_jgrpo_is_cheap_and_curated():
     assert out.stdout.strip() == str(
         sorted(["Config", "ConfigError", "GRPOTrainer", "TrainResult", "load_config"])
     )
+
+
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        ("import os\nos._exit(0)\n", r"ended the reward process \(exit code 0\)"),
+        ("import time\ntime.sleep(10_000)\n", r"did not finish within 1 s"),
+        ("raise KeyboardInterrupt\n", r"cannot import 'bad_reward:f' \(KeyboardInterrupt"),
+    ],
+)
+def test_cli_names_a_reward_module_that_exits_hangs_or_interrupts_at_import(
+    tmp_path, monkeypatch, capsys, module, message
+):
+    (tmp_path / "bad_reward.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = cli.main(
+        [
+            "train", "--config", TINY, "--run-dir", str(tmp_path / "run"),
+            "data.reward_functions=[{function: 'bad_reward:f'}]",
+            "data.reward_import_timeout_s=1",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert re.search(r"data\.reward_functions\[0\]\.function: .*" + message, err), err
+
+
+def test_log_samples_writes_jsonl_and_tensorboard_text(tmp_path):
+    from jgrpo.config import LoggingConfig
+    from jgrpo.metrics import MetricsLogger
+
+    cfg = LoggingConfig(tensorboard=True, progress_bar=False)
+    rows = [{"prompt": "1+1=", "completion": "2", "reward": 1.0, "reward/correct": None}]
+    with MetricsLogger(tmp_path, cfg, 2) as logger:
+        logger.log_samples(1, rows)
+        logger.log_samples(2, rows * 2)
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, **rows[0]}, {"step": 2, **rows[0]}, {"step": 2, **rows[0]}]
+    from tensorboardX.proto import event_pb2
+
+    texts = []  # (step, text) of the text summaries in the TFRecord event files
+    for path in sorted((tmp_path / "tb").glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for v in event.summary.value:
+                if v.tag.startswith("samples"):
+                    texts.append((event.step, v.tensor.string_val[0]))
+    assert [step for step, _ in texts] == [1, 2] and b"1+1=" in texts[0][1]
