@@ -30,7 +30,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from jgrpo import hub
 from jgrpo.config import ConfigError
 
 SMOLLM2 = "smollm2"
@@ -88,33 +88,14 @@ def resolve_model_path(spec: str) -> Path:
     if spec == "builtin:tiny-qwen2":
         return tiny_qwen2_folder()
     folder = Path(spec).expanduser()
-    return folder if folder.is_dir() else hub_snapshot(spec)
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def hub_snapshot(repo_id: str):
-    """The local snapshot folder of a cached HF model repo, or None (offline, no download)."""
-    if not _HUB_ID.match(repo_id):
-        return None
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        folder = snapshot_download(
-            repo_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE") or None
-        )
-    except (LocalEntryNotFoundError, ValueError, OSError):
-        return None
-    return Path(folder)
+    return folder if folder.is_dir() else hub.snapshot(spec)
 
 
 def _check_hf_folder(spec: str) -> None:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
-    if not folder.is_dir() and _HUB_ID.match(spec) and not spec.startswith((".", "~")):
-        snapshot = hub_snapshot(spec)
+    if not folder.is_dir() and hub.looks_like_repo_id(spec):
+        snapshot = hub.snapshot(spec)
         if snapshot is None:
             raise ConfigError(
                 f"model.path: {spec!r} is not a folder and not a model in the local Hugging Face "

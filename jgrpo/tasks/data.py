@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from jgrpo import hub
 from jgrpo.config import ConfigError
 
 Example = dict[str, Any]
@@ -54,7 +53,6 @@ _BUILDERS = {
     ".pq": "parquet",
     ".csv": "csv",
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -156,25 +154,8 @@ def _load_folder(path: Path, key: str, split: str):
             ) from None
 
 
-def _hub_snapshot(repo_id: str) -> Optional[Path]:
-    """The local snapshot folder of a cached HF dataset repo, or None (offline, no download)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        folder = snapshot_download(
-            repo_id,
-            repo_type="dataset",
-            local_files_only=True,
-            cache_dir=os.environ.get("HF_HUB_CACHE") or None,
-        )
-    except (LocalEntryNotFoundError, ValueError, OSError):
-        return None
-    return Path(folder)
-
-
 def _load_hub(repo_id: str, key: str, split: str):
-    folder = _hub_snapshot(repo_id)
+    folder = hub.snapshot(repo_id, repo_type="dataset")
     if folder is None:
         raise ConfigError(
             f"{key}: {repo_id!r} is neither a file or folder nor a dataset in the local "
@@ -205,7 +186,7 @@ def load_table(spec: str, key: str, split: str = "train"):
         table = _load_folder(path, key, split)
     elif path.is_file():
         table = _load_file(path, key)
-    elif _HUB_ID.match(spec) and path.suffix.lower() not in _BUILDERS:
+    elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
         table = _load_hub(spec, key, split)
     else:
         raise ConfigError(f"{key}: {spec!r} does not exist")
