@@ -284,3 +284,22 @@ def test_log_samples_writes_jsonl_and_tensorboard_text(tmp_path):
                 if v.tag.startswith("samples"):
                     texts.append((event.step, v.tensor.string_val[0]))
     assert [step for step, _ in texts] == [1, 2] and b"1+1=" in texts[0][1]
+
+
+@pytest.mark.slow
+def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    code = cli.main(
+        [
+            "train", "--config", TINY, "--run-dir", str(tmp_path / "run"), *QUICK,
+            f"data.train_path={data}", "data.reward_functions=[{function: 'os.path:join', "
+            "per_sample: true}]",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    assert err.endswith(
+        "data.prompt_key: the dataset has chat-message prompts but the tokenizer "
+        "of model.path 'builtin:tiny-qwen2' has no chat template"
+    ), err

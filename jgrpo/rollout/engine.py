@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jgrpo import sampling
-from jgrpo.config import Config
+from jgrpo.config import Config, ConfigError
 
 STEP_KEYS = (
     "input_ids",
@@ -105,6 +105,11 @@ class RolloutEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.task = task
+        if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
+            raise ConfigError(
+                f"data.prompt_key: the dataset has chat-message prompts but the tokenizer of "
+                f"model.path {cfg.model.path!r} has no chat template"
+            )
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         self.train_params = sampling.SamplingParams.from_rollout_config(

@@ -46,6 +46,8 @@ class PromptsTask:
 
     def __init__(self, cfg: DataConfig):
         self.key = cfg.prompt_key
+        self.has_messages = False
+        """Some checked record's prompt is a message list (the tokenizer needs a template)."""
 
     def check_table(self, table: Table, where: str) -> None:
         """ConfigError naming the record when the prompt column is absent, null or malformed.
@@ -76,6 +78,7 @@ class PromptsTask:
         else:
             values = (record[self.key] for record in table)
         for i, value in enumerate(values):
+            self.has_messages |= not isinstance(value, str)
             problem = _messages_problem(value)
             if problem is not None:
                 raise ConfigError(f"data.prompt_key: record {i} of {where}: {self.key!r} {problem}")

@@ -211,6 +211,11 @@ class Task:
 
     # ------------------------------------------------------------------------- prompts
 
+    @property
+    def needs_chat_template(self) -> bool:
+        """The loaded data holds chat-message prompts (known after the data checks)."""
+        return bool(getattr(self.kind, "has_messages", False))
+
     def _messages(self, example: Example) -> list[dict]:
         if hasattr(self.kind, "messages"):
             return self.kind.messages(example)
