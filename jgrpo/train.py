@@ -71,7 +71,8 @@ def check_run(cfg: Config) -> None:
 
 def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None) -> Trainer:
     check_run(cfg)
-    task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))  # ConfigError before the model
+    # ConfigError before the model loads
+    task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
