@@ -728,3 +728,16 @@ def test_bare_prompts_and_reference_completions(tmp_path):
     i = int(example["question"].split()[2])
     assert gsm8k.reference_completion(example) == f" {i}+2={i + 2}\n#### {i + 2}"
     assert gsm8k.verify(gsm8k.reference_completion(example), example)
+
+
+def test_python_datasets_replace_the_paths(tmp_path):
+    train = datasets.Dataset.from_list(GSM8K_RECORDS)
+    val = GSM8K_RECORDS[:2]
+    task = make_task(
+        DataConfig(task="gsm8k", shuffle=False), 0, train_dataset=train, eval_dataset=val
+    )
+    assert [e["id"] for e in task.val] == ["val/0", "val/1"]
+    assert [e["question"] for e in task.val] == [r["question"] for r in val]
+    assert _ids(task.train.next_prompts(3)) == ["train/0", "train/1", "train/2"]
+    with pytest.raises(ConfigError, match=r"^train_dataset: record 1 is a str, not a dict"):
+        make_task(DataConfig(task="gsm8k"), 0, train_dataset=[GSM8K_RECORDS[0], "oops"])
