@@ -192,6 +192,7 @@ def run(
         ) from e
     finally:
         logger.close()
+        t.task.close()  # the reward child process, if any
         t.backend.close()
         t.checkpointer.close()
     if cfg.logging.plot:

@@ -360,7 +360,7 @@ class _Child:
         )
         os.close(child_r)
         os.close(child_w)
-        self._finalizer = weakref.finalize(self, _kill, self.proc)
+        self._finalizer = weakref.finalize(self, _kill, self.proc, self._progress_file)
         self.send_conn = Connection(parent_w, readable=False)
         self.recv_conn = Connection(parent_r, writable=False)
         self.import_timeout_s = import_timeout_s
@@ -418,10 +418,11 @@ class _StartFailure(Exception):
         self.index = index
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, progress_file) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    progress_file.close()
 
 
 class RewardRunner:
