@@ -44,7 +44,7 @@ def matches_target(prompts, completions, target, **kwargs):
         for p, t in zip(prompts, target):
             fh.write(json.dumps([p, t]) + "\\n")
     text = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [float(t in c) if len(c) % 3 else None for c, t in zip(text, target)]
+    return [float(t in c) + 0.1 * len(c) if len(c) % 3 else None for c, t in zip(text, target)]
 """
 QUICK = [
     "data.task=prompts",
@@ -286,7 +286,6 @@ def test_log_samples_writes_jsonl_and_tensorboard_text(tmp_path):
     assert [step for step, _ in texts] == [1, 2] and b"1+1=" in texts[0][1]
 
 
-@pytest.mark.slow
 def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
