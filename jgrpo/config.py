@@ -23,8 +23,9 @@ import textwrap
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -62,24 +63,39 @@ class ModelConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class RewardFunctionConfig:
-    """One weighted reward term."""
+    """One weighted reward term (see `jgrpo.tasks.rewards` for the signature and None rule)."""
 
-    function: str
-    """`module:function` taking (prompt, completion, example) and returning a float."""
+    function: Union[str, Callable[..., Any]]
+    """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
     weight: float = 1.0
     """Multiplier of this term in the total reward."""
+    name: Optional[str] = None
+    """Metric name (`reward/<name>/mean`); None = the function's name."""
+    per_sample: bool = False
+    """Old form: fn(prompt, completion, example) -> float, called once per sample."""
+
+    @property
+    def label(self) -> str:
+        """The metric name: `name`, else the function's __name__ (the part after `:`)."""
+        if self.name:
+            return self.name
+        if isinstance(self.function, str):
+            return self.function.rpartition(":")[2].rpartition(".")[2]
+        return getattr(self.function, "__name__", type(self.function).__name__)
 
 
 @dataclasses.dataclass(**_FROZEN)
 class DataConfig:
     """The task: where prompts come from and how completions are scored."""
 
-    task: Literal["arithmetic", "countdown", "gsm8k"] = "arithmetic"
-    """Built-in task; gsm8k reads question/answer records ending in `#### N` from train_path."""
+    task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
+    """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
     train_path: Optional[str] = None
-    """JSONL / Parquet file or HF datasets folder (load_from_disk); None = synthetic task data."""
+    """A JSONL/JSON/Parquet/CSV file, datasets folder or cached HF dataset id; None = generated."""
     val_path: Optional[str] = None
     """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    prompt_key: str = "prompt"
+    """Task prompts: column holding a prompt string or a list of chat messages."""
     num_val_examples: int = 200
     """Held-out examples used for validation accuracy."""
     question_key: str = "question"
@@ -104,6 +120,8 @@ class DataConfig:
     """Weight of the built-in task verifier's reward (0 = only custom rewards)."""
     reward_timeout_s: float = 5.0
     """A reward call running past this scores 0 and is counted in metrics."""
+    reward_import_timeout_s: float = 60.0
+    """Importing the reward functions at start-up may take this long (then a ConfigError)."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
 
@@ -277,6 +295,8 @@ class CheckpointConfig:
     """Save every this many steps (0 = off)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted."""
+    export_hf: bool = False
+    """Also write the policy as an HF folder RUN_DIR/hf/step_<N>/ at each checkpoint."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -293,6 +313,8 @@ class LoggingConfig:
     """Show a progress bar on stderr."""
     plot: bool = True
     """Write PNG curves at the end of the run."""
+    num_samples: int = 4
+    """Prompt/completion/reward rows per step to RUN_DIR/samples.jsonl and TB/W&B (0 = off)."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -408,6 +430,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    if tp is Callable or origin is Callable:
+        if not callable(value):
+            raise ConfigError(f"{key}: expected a function, got {value!r}")
+        return value
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
 
 
@@ -437,6 +463,8 @@ def to_dict(cfg: Any) -> Any:
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, tuple):
         return [to_dict(v) for v in cfg]
+    if callable(cfg):  # a reward function given from Python: saved as its import path
+        return f"{getattr(cfg, '__module__', '?')}:{getattr(cfg, '__qualname__', repr(cfg))}"
     return cfg
 
 
@@ -619,11 +647,22 @@ def validate(cfg: Config) -> Config:
         f"data.operators: {cfg.data.operators!r} must be a non-empty subset of '+-*'",
     )
     _require(cfg.data.reward_timeout_s > 0, "data.reward_timeout_s: must be > 0")
+    _require(cfg.data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
+    _require(cfg.logging.num_samples >= 0, "logging.num_samples: must be >= 0")
+    labels: set[str] = set()
     for i, rf in enumerate(cfg.data.reward_functions):
+        if isinstance(rf.function, str):
+            _require(
+                ":" in rf.function and all(rf.function.split(":", 1)),
+                f"data.reward_functions[{i}].function: {rf.function!r} must look like "
+                "module:function",
+            )
         _require(
-            ":" in rf.function and all(rf.function.split(":", 1)),
-            f"data.reward_functions[{i}].function: {rf.function!r} must look like module:function",
+            rf.label not in labels,
+            f"data.reward_functions[{i}].name: {rf.label!r} names two reward functions; "
+            "set a distinct name",
         )
+        labels.add(rf.label)
     _require(
         g.batch_size % g.num_minibatches == 0,
         f"grpo.num_minibatches: {g.num_minibatches} must divide the rollout batch "

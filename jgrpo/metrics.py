@@ -4,6 +4,7 @@ and PNG curves drawn from metrics.jsonl.
 On-disk layout::
 
     RUN_DIR/metrics.jsonl   one JSON object per logged step, flushed per line
+    RUN_DIR/samples.jsonl   a few {step, prompt, completion, reward, ...} rows per step
     RUN_DIR/tb/             TensorBoard events (logging.tensorboard)
     RUN_DIR/plots/*.png     plot_run(RUN_DIR): reward, accuracy, kl, length, loss (.png)
 
@@ -42,6 +43,7 @@ from typing import Any, Optional
 from jgrpo.config import ConfigError, LoggingConfig
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 
 # Progress-bar field -> metric key; the bar shows the latest value seen of each.
 BAR_FIELDS = {"reward": "reward/mean", "acc": "val/accuracy", "tok/s": "perf/tokens_per_s"}
@@ -188,6 +190,7 @@ class MetricsLogger:
         """
         self.run_dir = Path(run_dir)
         self.cfg = logging_cfg
+        self._fresh, self._samples_started = resume_step is None, False
         self.path = self.run_dir / METRICS_FILE
         wandb = None
         if logging_cfg.wandb:
@@ -285,6 +288,30 @@ class MetricsLogger:
                     self._bar_values[name] = values[key]
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in self._bar_values.items()})
             self._bar.update(max(0, step - self._bar.n))
+
+    def log_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+        """Append a few {prompt, completion, reward, ...} rows of step `step` to
+        RUN_DIR/samples.jsonl (one JSON object a line, with `step`) and to TensorBoard / W&B as
+        text. A fresh run starts the file anew; a resumed run appends."""
+        if not samples:
+            return
+        rows = [{"step": step, **dict(r)} for r in samples]
+        path = self.run_dir / SAMPLES_FILE
+        if not self._samples_started and self._fresh:
+            path.unlink(missing_ok=True)
+        self._samples_started = True
+        with open(path, "a") as fh:
+            fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+        text = "\n\n".join(
+            f"**reward {r.get('reward')}**\n\n    {r.get('prompt')!s}\n    -> "
+            f"{r.get('completion')!s}"
+            for r in rows
+        )
+        if self._tb is not None:
+            self._tb.add_text("samples", text, step)
+            self._tb.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log({"samples": text}, step=step)
 
     def close(self) -> None:
         """Flush and close every sink."""

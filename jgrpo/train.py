@@ -73,9 +73,10 @@ def check_run(cfg: Config) -> None:
         check_ray_address(cfg.rollout.ray_address)
 
 
-def setup(cfg: Config, run_dir: Path, resume: bool) -> Trainer:
+def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None) -> Trainer:
     check_run(cfg)
-    task = make_task(cfg.data, cfg.grpo.seed)  # ConfigError before the model loads
+    # ConfigError before the model loads
+    task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
@@ -127,13 +128,23 @@ def to_floats(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
-def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
-    """Train; returns the validation records [{step, val/accuracy, ...}].
+def run(
+    cfg: Config,
+    run_dir: str | Path,
+    resume: bool = False,
+    *,
+    train_dataset=None,
+    eval_dataset=None,
+) -> list[dict]:
+    """Train; returns the validation records [{step, val/accuracy, ...}]. The trained policy
+    is left in RUN_DIR/final/ (an HF folder, see `save_final`).
 
     The reference policy is the initial model of `cfg.model.path`, so a resumed run reloads it
-    from there exactly; the checkpoint does not duplicate it."""
+    from there exactly; the checkpoint does not duplicate it. `train_dataset` / `eval_dataset`
+    (list of dicts or datasets.Dataset) replace data.train_path / data.val_path."""
     run_dir = Path(run_dir)
-    t = setup(cfg, run_dir, resume)
+    datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
+    t = setup(cfg, run_dir, resume, datasets)
     g, k = cfg.grpo, cfg.rollout.max_staleness
     resume_step = t.start_step if resume else None
     logger = MetricsLogger(
@@ -152,7 +163,7 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
             history.append({"step": 0, **val})
             logger.log(0, val)
         for s in range(t.start_step, g.max_num_steps):
-            metrics = train_one_step(t, s, data_states)
+            metrics = train_one_step(t, s, data_states, logger)
             done = s + 1
             periodic = g.val_period and done % g.val_period == 0
             if periodic or (g.val_at_end and done == g.max_num_steps):
@@ -163,7 +174,10 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+                if cfg.checkpoint.export_hf:
+                    save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
+        save_final(t, run_dir / FINAL_DIR)
     except RolloutFailure as e:
         if done not in t.checkpointer.all_steps():
             save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
@@ -173,6 +187,7 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
         ) from e
     finally:
         logger.close()
+        t.task.close()  # the reward child process, if any
         t.backend.close()
         t.checkpointer.close()
     if cfg.logging.plot:
@@ -180,10 +195,14 @@ def run(cfg: Config, run_dir: str | Path, resume: bool = False) -> list[dict]:
     return history
 
 
-def train_one_step(t: Trainer, s: int, data_states: dict[int, dict]) -> dict[str, float]:
+def train_one_step(
+    t: Trainer, s: int, data_states: dict[int, dict], logger: MetricsLogger | None = None
+) -> dict[str, float]:
     g, k = t.cfg.grpo, t.cfg.rollout.max_staleness
     start = time.perf_counter()
     result = t.backend.collect(s)
+    if logger is not None:
+        logger.log_samples(s + 1, result.samples[: t.cfg.logging.num_samples])
     gen_s = time.perf_counter() - start
     batch = result.step_batch().shard(t.mesh)
     t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params)
@@ -211,14 +230,37 @@ def train_one_step(t: Trainer, s: int, data_states: dict[int, dict]) -> dict[str
     }
 
 
+FINAL_DIR = "final"
+"""RUN_DIR/final/: the policy at the end of the run, an HF folder."""
+
+
+def save_final(t: Trainer, out: Path) -> Path:
+    """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
+    generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
+    folder is replaced atomically."""
+    from jgrpo.models import Transformer, config_from_hf
+    from jgrpo.models.hf import save_pretrained
+    from jgrpo.models.sources import atomic_folder
+
+    folder = resolve_model_path(t.cfg.model.path)
+    hf = json.loads((folder / "config.json").read_text())
+    model_cfg = config_from_hf(hf, dtype=t.cfg.model.dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, t.state.params)
+    with atomic_folder(out, overwrite=True) as tmp:
+        save_pretrained(nnx.merge(graphdef, state), tmp, source=folder)
+    return out
+
+
 def summarize(history: list[dict]) -> str:
     """A before/after table of validation accuracy."""
     if not history:
         return "no validation was run"
     first, last = history[0], history[-1]
-    rows = [
-        ("step", first["step"], last["step"]),
-        ("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"),
+    rows = [("step", first["step"], last["step"])]
+    if "val/accuracy" in first:  # tasks with a verifier
+        rows.append(("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"))
+    rows += [
         ("val/reward_mean", f"{first['val/reward_mean']:.3f}", f"{last['val/reward_mean']:.3f}"),
         ("val/length_mean", f"{first['val/length_mean']:.1f}", f"{last['val/length_mean']:.1f}"),
     ]

@@ -235,9 +235,9 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path)
 def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "import time\n"
-        "def boom(prompt, completion, example):\n    raise RuntimeError('bad reward')\n"
-        "def hang(prompt, completion, example):\n    time.sleep(3600)\n"
-        "def length(prompt, completion, example):\n    return 0.01 * len(completion)\n"
+        "def boom(prompts, completions, **kw):\n    raise RuntimeError('bad reward')\n"
+        "def hang(prompts, completions, **kw):\n    time.sleep(3600)\n"
+        "def length(prompts, completions, **kw):\n    return [0.01 * len(c) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))

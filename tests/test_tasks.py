@@ -5,6 +5,7 @@ import pickle
 import textwrap
 import time
 
+import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -212,23 +213,17 @@ def test_jsonl_parquet_and_hf_folder_load_alike(tmp_path):
     jsonl = _write_jsonl(tmp_path / "d.jsonl", GSM8K_RECORDS)
     parquet = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(GSM8K_RECORDS), parquet)
-    folder = tmp_path / "hf"  # the layout of Dataset.save_to_disk (Arrow stream file + state.json)
-    folder.mkdir()
-    table = pa.Table.from_pylist(GSM8K_RECORDS)
-    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink:
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-    (folder / "state.json").write_text(
-        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}], "_split": "train"})
-    )
-    (folder / "dataset_info.json").write_text("{}")
+    folder = tmp_path / "hf"
+    datasets.Dataset.from_list(GSM8K_RECORDS).save_to_disk(str(folder))
+    csv = tmp_path / "d.csv"
+    datasets.Dataset.from_list(GSM8K_RECORDS).to_csv(str(csv), index=False)
     seen = []
-    for path in (jsonl, str(parquet), str(folder)):
+    for path in (jsonl, str(parquet), str(folder), str(csv)):
         task = make_task(
             DataConfig(task="gsm8k", train_path=path, num_val_examples=2, shuffle=False), 0
         )
         seen.append((task.train.next_prompts(8), task.val))
-    assert seen[0] == seen[1] == seen[2]
+    assert seen[0] == seen[1] == seen[2] == seen[3]
     example = seen[0][0][0]
     assert example["answer"] == str(int(example["question"].split()[2]) + 2)
     assert example["solution"].endswith(f"#### {example['answer']}")
@@ -256,9 +251,9 @@ def test_error_messages_name_key_and_file(tmp_path):
         ConfigError, match=r"^data\.train_path: .*broken\.jsonl.* line 2 is not valid JSON$"
     ):
         make_task(DataConfig(task="gsm8k", train_path=str(tmp_path / "broken.jsonl")), 0)
-    (tmp_path / "d.csv").write_text("question,answer\n")
-    with pytest.raises(ConfigError, match=r"^data\.train_path: unsupported format '\.csv'"):
-        make_task(DataConfig(task="gsm8k", train_path=str(tmp_path / "d.csv")), 0)
+    (tmp_path / "d.txt").write_text("question,answer\n")
+    with pytest.raises(ConfigError, match=r"^data\.train_path: unsupported format '\.txt'"):
+        make_task(DataConfig(task="gsm8k", train_path=str(tmp_path / "d.txt")), 0)
     with pytest.raises(ConfigError, match=r"^data\.train_path: .* not an HF datasets folder"):
         make_task(DataConfig(task="gsm8k", train_path=str(tmp_path)), 0)
     countdown = _write_jsonl(tmp_path / "c.jsonl", [{"nums": [1, 2], "goal": 3}])
@@ -266,25 +261,30 @@ def test_error_messages_name_key_and_file(tmp_path):
         make_task(DataConfig(task="countdown", train_path=countdown), 0)
 
 
-def _reward_cfg(specs, **kw):
-    fns = tuple(RewardFunctionConfig(function=s, weight=w) for s, w in specs)
+def _reward_cfg(specs, per_sample=True, **kw):
+    fns = tuple(RewardFunctionConfig(function=s, weight=w, per_sample=per_sample) for s, w in specs)
     return DataConfig(task="arithmetic", reward_functions=fns, num_val_examples=4, **kw)
 
 
 @pytest.mark.parametrize(
-    "spec, message",
+    "spec, per_sample, message",
     [
-        ("no_such_module_xyz:fn", r"cannot import 'no_such_module_xyz:fn' \(ModuleNotFoundError"),
-        ("json:no_such_fn", r"cannot import 'json:no_such_fn' \(AttributeError"),
-        ("json:decoder", r"'json:decoder' is not callable"),
-        ("math:pi", r"'math:pi' is not callable"),
-        ("os.path:join", None),
-        ("json:dumps", r"'json:dumps' must accept \(prompt, completion, example\)"),
-        ("nomodule", r"'nomodule' must look like module:function"),
+        (
+            "no_such_module_xyz:fn",
+            False,
+            r"cannot import 'no_such_module_xyz:fn' \(ModuleNotFoundError",
+        ),
+        ("json:no_such_fn", False, r"cannot import 'json:no_such_fn' \(AttributeError"),
+        ("json:decoder", False, r"'json:decoder' is not callable"),
+        ("math:pi", True, r"'math:pi' is not callable"),
+        ("os.path:join", True, None),
+        ("json:dumps", True, r"'json:dumps' must accept \(prompt, completion, example\)"),
+        ("os.path:join", False, r"'os.path:join' must accept prompts=, completions= and \*\*kw"),
+        ("nomodule", False, r"'nomodule' must look like module:function"),
     ],
 )
-def test_reward_function_import_errors(spec, message):
-    cfg = _reward_cfg([(spec, 1.0)])
+def test_reward_function_import_errors(spec, per_sample, message):
+    cfg = _reward_cfg([(spec, 1.0)], per_sample=per_sample)
     if message is None:
         make_task(cfg, 0).close()
         return
@@ -414,7 +414,9 @@ def test_pickled_task_scores_without_data(rewards_module, tmp_path):
     cfg = DataConfig(
         task="gsm8k",
         train_path=train,
-        reward_functions=(RewardFunctionConfig(function=f"{rewards_module}:length", weight=0.5),),
+        reward_functions=(
+            RewardFunctionConfig(function=f"{rewards_module}:length", weight=0.5, per_sample=True),
+        ),
     )
     task = make_task(cfg, 0)
     clone = pickle.loads(pickle.dumps(task))
@@ -430,6 +432,230 @@ def test_pickled_task_scores_without_data(rewards_module, tmp_path):
     finally:
         clone.close()
         task.close()
+
+
+# ----------------------------------------------------------------------------- batched rewards
+
+
+BATCHED_MODULE = textwrap.dedent(
+    """
+    import json, os, sys, time
+
+    def by_column(prompts, completions, completion_ids, bonus, **kwargs):
+        with open(os.environ["JGRPO_TEST_CALLS"], "a") as fh:
+            fh.write(json.dumps({"prompts": prompts, "completions": completions,
+                                 "bonus": bonus, "ids": completion_ids,
+                                 "other": sorted(kwargs)}) + "\\n")
+        return [None if b is None else float(b) + len(c if isinstance(c, str) else
+                c[0]["content"]) for b, c in zip(bonus, completions)]
+
+    def raises(prompts, completions, **kwargs):
+        raise RuntimeError("bug")
+
+    def interrupt(prompts, completions, **kwargs):
+        raise KeyboardInterrupt
+
+    def wrong_length(prompts, completions, **kwargs):
+        return [1.0]
+
+    def hangs(prompts, completions, **kwargs):
+        time.sleep(10_000)
+
+    def all_none(prompts, completions, **kwargs):
+        return [None] * len(prompts)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def batched_module(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batched")
+    (folder / "jgrpo_test_batched.py").write_text(BATCHED_MODULE)
+    (folder / "jgrpo_exits_at_import.py").write_text("import os\nos._exit(0)\n")
+    (folder / "jgrpo_hangs_at_import.py").write_text("import time\ntime.sleep(10_000)\n")
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(folder))
+    yield "jgrpo_test_batched"
+    mp.undo()
+
+
+PROMPT_RECORDS = [
+    {"prompt": "plain 0", "bonus": 1.0, "tag": "a"},
+    {"prompt": [{"role": "user", "content": "chat 1"}], "bonus": None, "tag": "b"},
+    {"prompt": "plain 2", "bonus": 3.0, "tag": "c"},
+    {
+        "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "chat 3"}],
+        "bonus": 4.0,
+        "tag": "d",
+    },
+]
+
+
+def _prompts_cfg(path, fns, **kw):
+    rfs = tuple(RewardFunctionConfig(function=f, weight=w) for f, w in fns)
+    return DataConfig(
+        task="prompts", train_path=path, reward_functions=rfs, num_val_examples=1, **kw
+    )
+
+
+def test_prompts_task_batched_reward_sees_columns_per_row(
+    batched_module, tmp_path, monkeypatch, chat_tokenizer
+):
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("JGRPO_TEST_CALLS", str(calls))
+    path = _write_jsonl(tmp_path / "p.jsonl", PROMPT_RECORDS)
+    cfg = _prompts_cfg(
+        path,
+        [(f"{batched_module}:by_column", 0.5), (f"{batched_module}:all_none", 2.0)],
+        shuffle=False,
+    )
+    task = make_task(cfg, 0)
+    try:
+        examples = task.train.next_prompts(3)  # records 0..3 minus the held-out one
+        rows = [int(e["id"].split("/")[1]) for e in examples]
+        texts = [task.format_prompt(e, chat_tokenizer) for e in examples]
+        for e, text in zip(examples, texts):
+            value = e["row"]["prompt"]
+            if isinstance(value, str):  # use_chat_template wraps plain prompts too
+                assert text == f"<|user|>{value}<|end|><|assistant|>"
+            else:
+                assert text.endswith(f"<|user|>{value[-1]['content']}<|end|><|assistant|>")
+        completions = ["xy", "xyz", "x"]
+        ids = [[5, 6], [5, 6, 7], [5]]
+        rewards, info = task.score(texts, completions, examples, ids)
+        lines = [json.loads(x) for x in calls.read_text().splitlines()]
+        assert len(lines) == 1  # one call per function per batch
+        (seen,) = lines
+        assert seen["bonus"] == [PROMPT_RECORDS[r]["bonus"] for r in rows]
+        assert seen["prompts"] == [PROMPT_RECORDS[r]["prompt"] for r in rows]
+        assert seen["other"] == ["tag"] and seen["ids"] == ids
+        for r, c in zip(rows, seen["completions"]):  # chat prompts get chat completions
+            plain = isinstance(PROMPT_RECORDS[r]["prompt"], str)
+            assert c == (
+                completions[rows.index(r)]
+                if plain
+                else [{"role": "assistant", "content": completions[rows.index(r)]}]
+            )
+        bonus = [PROMPT_RECORDS[r]["bonus"] for r in rows]
+        expected = [0.0 if b is None else 0.5 * (b + len(c)) for b, c in zip(bonus, completions)]
+        np.testing.assert_allclose(rewards, expected)
+        assert info["sample_mask"].tolist() == [b is not None for b in bonus]
+        assert info["num_reward_none"] == 3 + bonus.count(None)  # all_none + by_column
+        assert info["correct"] is None and info["accuracy"] is None
+        terms = info["reward_terms"]
+        assert np.isnan(terms[:, 1]).all()
+        assert np.isnan(terms[:, 0]).tolist() == [b is None for b in bonus]
+    finally:
+        task.close()
+
+
+def test_batched_reward_failures_are_contained(batched_module, tmp_path, capfd):
+    path = _write_jsonl(tmp_path / "p.jsonl", [r for r in PROMPT_RECORDS if r["bonus"]] * 2)
+    m = batched_module
+    cfg = _prompts_cfg(
+        path,
+        [
+            (f"{m}:raises", 1.0),
+            (f"{m}:interrupt", 1.0),
+            (f"{m}:wrong_length", 1.0),
+            (f"{m}:hangs", 1.0),
+        ],
+        reward_timeout_s=0.5,
+    )
+    task = make_task(cfg, 0)
+    try:
+        examples = task.train.next_prompts(4)
+        start = time.monotonic()
+        rewards, info = task.score(["p"] * 4, ["c"] * 4, examples)
+        assert time.monotonic() - start < 0.5 + 1.0
+        assert rewards.tolist() == [0.0] * 4
+        assert info["num_reward_errors"] == 12 and info["num_reward_timeouts"] == 4
+        assert info["sample_mask"].all()  # errors score 0, they are not "no reward"
+    finally:
+        task.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_reward_given_as_a_python_function_is_pickled_to_the_child(tmp_path):
+    offset = 0.25  # a closure over a local: only cloudpickle can send it
+
+    def shout(prompts, completions, **columns):
+        return [offset + c.count("!") for c in completions]
+
+    plain = [{"prompt": f"p{i}"} for i in range(4)]
+    task = make_task(_prompts_cfg(None, [(shout, 2.0)]), 0, train_dataset=plain)
+    try:
+        examples = task.train.next_prompts(2)
+        rewards, _ = task.score(["p", "p"], ["a!!", "b"], examples)
+        np.testing.assert_allclose(rewards, [2 * 2.25, 2 * 0.25])
+        assert task.reward_names == ("shout",)
+    finally:
+        task.close()
+
+
+def test_reward_module_that_exits_or_hangs_at_import_is_a_config_error(batched_module, tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", PROMPT_RECORDS)
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.reward_functions\[1\]\.function: loading 'jgrpo_exits_at_import:f' "
+        r"ended the reward process \(exit code 0\)",
+    ):
+        make_task(
+            _prompts_cfg(path, [(f"{batched_module}:raises", 1), ("jgrpo_exits_at_import:f", 1)]),
+            0,
+        )
+    start = time.monotonic()
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.reward_functions\[0\]\.function: loading 'jgrpo_hangs_at_import:f' did "
+        r"not finish within 0\.5 s$",
+    ):
+        make_task(
+            _prompts_cfg(path, [("jgrpo_hangs_at_import:f", 1)], reward_import_timeout_s=0.5), 0
+        )
+    assert time.monotonic() - start < 0.5 + 1.0 + 5.0  # + the child's start
+
+
+def test_null_prompts_and_questions_are_rejected_naming_the_record(tmp_path):
+    records = [dict(r) for r in PROMPT_RECORDS]
+    records[2]["prompt"] = None
+    path = _write_jsonl(tmp_path / "p.jsonl", records)
+    fn = "os.path:join"
+    with pytest.raises(
+        ConfigError, match=r"^data\.prompt_key: record 2 of .*p\.jsonl.* null 'prompt'"
+    ):
+        make_task(_prompts_cfg(path, [(fn, 1)]), 0)
+    with pytest.raises(ConfigError, match=r"^data\.prompt_key: record 2 of train_dataset"):
+        make_task(_prompts_cfg(None, [(fn, 1)]), 0, train_dataset=records)
+    with pytest.raises(ConfigError, match=r"^data\.prompt_key: .* no column 'text'"):
+        make_task(_prompts_cfg(path, [(fn, 1)], prompt_key="text"), 0)
+    gsm = [dict(r) for r in GSM8K_RECORDS]
+    gsm[1]["question"] = None
+    path = _write_jsonl(tmp_path / "g.jsonl", gsm)
+    with pytest.raises(ConfigError, match=r"^data\.question_key: record 1 of .* null 'question'"):
+        make_task(DataConfig(task="gsm8k", train_path=path), 0)
+
+
+def test_hf_dataset_id_from_the_local_cache(tmp_path, monkeypatch):
+    # the hub cache layout: datasets--org--name/{refs/main, snapshots/<rev>/...}
+    repo = tmp_path / "hub" / "datasets--someone--prompts"
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    data = repo / "snapshots" / rev / "data"
+    data.mkdir(parents=True)
+    datasets.Dataset.from_list(GSM8K_RECORDS).to_parquet(str(data / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(GSM8K_RECORDS[:3]).to_parquet(
+        str(data / "test-00000-of-00001.parquet")
+    )
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = DataConfig(task="gsm8k", train_path="someone/prompts", val_path="someone/prompts")
+    task = make_task(cfg, 0)
+    assert len(task.val) == 3 and task.val[0]["question"] == GSM8K_RECORDS[0]["question"]
+    assert len(task.train.next_prompts(10)) == 10
+    with pytest.raises(ConfigError, match=r"^data\.train_path: 'someone/other' is neither"):
+        make_task(DataConfig(task="gsm8k", train_path="someone/other"), 0)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -502,3 +728,16 @@ def test_bare_prompts_and_reference_completions(tmp_path):
     i = int(example["question"].split()[2])
     assert gsm8k.reference_completion(example) == f" {i}+2={i + 2}\n#### {i + 2}"
     assert gsm8k.verify(gsm8k.reference_completion(example), example)
+
+
+def test_python_datasets_replace_the_paths(tmp_path):
+    train = datasets.Dataset.from_list(GSM8K_RECORDS)
+    val = GSM8K_RECORDS[:2]
+    task = make_task(
+        DataConfig(task="gsm8k", shuffle=False), 0, train_dataset=train, eval_dataset=val
+    )
+    assert [e["id"] for e in task.val] == ["val/0", "val/1"]
+    assert [e["question"] for e in task.val] == [r["question"] for r in val]
+    assert _ids(task.train.next_prompts(3)) == ["train/0", "train/1", "train/2"]
+    with pytest.raises(ConfigError, match=r"^train_dataset: record 1 is a str, not a dict"):
+        make_task(DataConfig(task="gsm8k"), 0, train_dataset=[GSM8K_RECORDS[0], "oops"])

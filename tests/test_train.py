@@ -18,7 +18,8 @@ def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypat
     # rewards of 3e38 overflow the group statistics in float32: the advantages, hence the loss,
     # become non-finite; the step must keep the params and count the skip
     (tmp_path / "huge_rewards.py").write_text(
-        "def huge(prompt, completion, example):\n    return 3.0e38 * (len(completion) % 2)\n"
+        "def huge(prompts, completions, **columns):\n"
+        "    return [3.0e38 * (len(c) % 2) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

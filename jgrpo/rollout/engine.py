@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ import numpy as np
 
 from jgrpo import sampling
 from jgrpo.batch import TrainBatch
-from jgrpo.config import Config
+from jgrpo.config import Config, ConfigError
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -35,7 +36,9 @@ class RolloutResult:
     batch: dict[str, np.ndarray]
     stats: dict[str, float]
     samples: list[dict[str, Any]]
-    """A few (prompt, completion, reward) records for logging."""
+    """A few (prompt, completion, reward) records for logging (logging.num_samples)."""
+    reward_names: tuple[str, ...] = ()
+    """Names of the custom reward terms, the columns of batch["reward_terms"]."""
 
     def step_batch(self) -> TrainBatch:
         """The train step's input: the TrainBatch fields of `batch` (checked)."""
@@ -57,23 +60,33 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     counts = {k: float(sum(r.stats[k] for r in results)) for k in REWARD_FAILURE_KEYS}
     samples = [s for r in results for s in r.samples]
-    return RolloutResult(batch, batch_stats(batch) | counts, samples)
+    names = results[0].reward_names
+    return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
 
 
-REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts")
+REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
 
 
-def batch_stats(batch: dict[str, np.ndarray]) -> dict[str, float]:
+def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, float]:
+    """Per-batch statistics; `reward/<name>/mean` averages a custom term over the rows where it
+    gave a value (NaN when none did: logged as null)."""
     lengths = batch["lengths"].astype(np.float64)
     stats = {
         "length/mean": float(lengths.mean()),
         "length/min": float(lengths.min()),
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
-        "reward/accuracy": float(batch["correct"].mean()),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
+        "reward/num_masked": float((batch["sample_mask"] == 0).sum()),
     }
+    if "correct" in batch:  # tasks with a verifier
+        stats["reward/accuracy"] = float(batch["correct"].mean())
+    terms = batch.get("reward_terms")
+    for f, name in enumerate(reward_names):
+        column = terms[:, f].astype(np.float64)
+        given = ~np.isnan(column)
+        stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
     return stats
 
 
@@ -85,6 +98,11 @@ class RolloutEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.task = task
+        if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
+            raise ConfigError(
+                f"data.prompt_key: the dataset has chat-message prompts but the tokenizer of "
+                f"model.path {cfg.model.path!r} has no chat template"
+            )
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         self.train_params = sampling.SamplingParams.from_rollout_config(
@@ -133,18 +151,43 @@ class RolloutEngine:
             for b in range(len(rows))
         ]
         row_examples = [examples[i] for i in rows]
-        rewards, info = self.task.score([texts[i] for i in rows], completions, row_examples)
+        completion_ids = [  # without the stop token (the last one, unless truncated)
+            gen.tokens[b, : gen.lengths[b] - (0 if gen.truncated[b] else 1)].tolist()
+            for b in range(len(rows))
+        ]
+        rewards, info = self.task.score(
+            [texts[i] for i in rows], completions, row_examples, completion_ids
+        )
         batch = assemble_batch(gen, rows, rewards, version)
-        batch["correct"] = np.asarray(info["correct"], bool)
+        batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
+        if info["correct"] is not None:
+            batch["correct"] = np.asarray(info["correct"], bool)
+        names = tuple(self.task.reward_names)
+        batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
+            len(rows), len(names)
+        )
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
+            "reward/num_none": float(info["num_reward_none"]),
         }
         samples = [
-            {"prompt": texts[rows[b]], "completion": completions[b], "reward": float(rewards[b])}
-            for b in range(min(4, len(rows)))
+            {
+                "prompt": texts[rows[b]],
+                "completion": completions[b],
+                "reward": float(rewards[b]),
+                **{
+                    f"reward/{name}": _or_none(batch["reward_terms"][b, f])
+                    for f, name in enumerate(names)
+                },
+            }
+            for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
-        return RolloutResult(batch, batch_stats(batch) | counts, samples)
+        return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+
+
+def _or_none(value) -> float | None:
+    return None if np.isnan(value) else float(value)
 
 
 def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dict:
@@ -177,12 +220,14 @@ VALIDATION_SALT = 1
 def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
     """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
     pass_k samples (rows are example-major) is correct."""
-    correct = result.batch["correct"].reshape(num_examples, pass_k)
-    return {
-        "val/accuracy": float(correct.any(axis=1).mean()),
+    metrics = {
         "val/reward_mean": float(result.batch["rewards"].mean()),
         "val/length_mean": float(result.batch["lengths"].mean()),
     }
+    if "correct" in result.batch:  # tasks with a verifier
+        correct = result.batch["correct"].reshape(num_examples, pass_k)
+        metrics["val/accuracy"] = float(correct.any(axis=1).mean())
+    return metrics
 
 
 def step_key(seed: int, step: int, salt: int = 0):

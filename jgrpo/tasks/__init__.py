@@ -4,24 +4,25 @@
     batch = task.train.next_prompts(P)                  # list[Example], deterministic order
     ckpt["data"] = task.train.state()                   # JSON; task.train.restore(...) resumes
     prompt = task.format_prompt(example, tokenizer)     # chat template or bare "12+34="
-    rewards_n, info = task.score(prompts, completions, examples)
+    rewards_n, info = task.score(prompts, completions, examples, completion_ids)
     task.val                                            # fixed held-out list[Example]
 
-Example fields (plain dicts): `id` ("train/17", "val/3"), `task`, `question`, `answer` (the
-reference: a number string for arithmetic/gsm8k, a solution expression for countdown, possibly
-"" from files); gsm8k/file records add `solution` (the full answer text); countdown adds
-`numbers` (list[int]) and `target` (int).
+Example fields (plain dicts): `id` ("train/17", "val/3"), `task`; built-in tasks add
+`question`, `answer` (the reference: a number string for arithmetic/gsm8k, a solution
+expression for countdown, possibly "" from files); gsm8k/file records add `solution` (the
+full answer text); countdown adds `numbers` (list[int]) and `target` (int); task `prompts`
+adds `row` (the dataset record).
 
 Bare prompts (no chat template; completion = reference_completion + EOS):
     arithmetic  "12+34-5="            -> "41"
     countdown   "3,5,2:16="           -> "(3+5)*2"
     gsm8k       "Q: {question}\\nA:"   -> " {solution without <<..>>, ending '#### N'}"
 
-Custom rewards (data.reward_functions) run in a child process with per-sample timeouts; see
-`jgrpo.tasks.rewards` for why and for the exact timeout rule.
+Custom rewards (data.reward_functions, TRL's batched signature) run in a child process with
+timeouts; see `jgrpo.tasks.rewards` for the signature, the None rule and the timeout rule.
 """
 
-from jgrpo.tasks.data import Example, RecordStream, SyntheticStream, read_records
+from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
 from jgrpo.tasks.rewards import RewardRunner, import_reward_function
 from jgrpo.tasks.task import Task, make_task
 from jgrpo.tasks.verify import (
@@ -38,12 +39,14 @@ __all__ = [
     "Example",
     "RecordStream",
     "RewardRunner",
+    "Rows",
     "SyntheticStream",
     "Task",
     "evaluate_expression",
     "extract_answer",
     "extract_expression",
     "import_reward_function",
+    "load_table",
     "make_task",
     "numbers_equal",
     "parse_number",

@@ -139,7 +139,7 @@ class CountdownTask:
         return {
             "task": self.name,
             "question": self.question(numbers, target),
-            "answer": str(record.get(cfg.answer_key, "")),
+            "answer": str(record.get(cfg.answer_key) or ""),
             "numbers": numbers,
             "target": int(target),
         }

@@ -1,11 +1,21 @@
-"""Reading record files and the deterministic, restorable order of training examples.
+"""Datasets of records and the deterministic, restorable order of training examples.
 
-Formats (chosen by the path): `.jsonl` / `.ndjson` (one JSON object a line), `.json` (a list
-of objects, or JSONL), `.parquet` / `.pq`, and a folder written by HF `Dataset.save_to_disk`
-(`DatasetDict` folders: split `train` for data.train_path, `test` or `validation` for
-data.val_path). Folders are read with `datasets.load_from_disk` when `datasets` is installed,
-else directly from the Arrow stream files listed in the folder's `state.json` (the layout
-`save_to_disk` writes; it always flattens index mappings, so the files are the rows in order).
+Sources (`load_table(spec, key, split)`, always through the `datasets` library, imported only
+when file data is used):
+- a file, by suffix: `.jsonl` / `.ndjson` / `.json` (JSON Lines or a list of objects),
+  `.parquet` / `.pq`, `.csv`; read by `datasets.load_dataset(<builder>, data_files=...)`, which
+  converts it once into a memory-mapped Arrow file in the HF datasets cache (a column mixing
+  strings and lists, e.g. prompts some plain and some chat messages, becomes a `Json` column);
+- a folder written by `Dataset.save_to_disk` (`DatasetDict` folders: split `train` for
+  data.train_path, `test` or `validation` for data.val_path), read by `load_from_disk`;
+- a Hugging Face dataset id (`org/name`) already in the local hub cache: its snapshot folder
+  (`huggingface_hub.snapshot_download(..., local_files_only=True)`, offline) loaded like a
+  local dataset repository, same split rule.
+Python data (the `jgrpo.GRPOTrainer` API) is a list of dicts or a `datasets.Dataset`.
+
+Nothing is read into a Python list: `Rows` indexes the Arrow table and builds an example when
+the stream hands it out. Null values in a required field are found up front with Arrow's null
+counts (`first_null`), so a bad record is named before any model loads.
 
 Streams hand out examples with `next_prompts(n)` and carry a small JSON state:
 - `RecordStream` (file data), state `{"kind": "records", "seed", "epoch", "offset",
@@ -18,135 +28,245 @@ Restoring a state and calling `next_prompts` yields exactly what the uninterrupt
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
+from jgrpo import hub
 from jgrpo.config import ConfigError
 
 Example = dict[str, Any]
 """One prompt's data: JSON-able, picklable; the fields are listed in `jgrpo.tasks`."""
 
+Table = Any
+"""A `datasets.Dataset` or a list of dicts: `len(t)`, `t[i] -> dict`."""
+
+_BUILDERS = {
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+}
+
 
 # ----------------------------------------------------------------------------- reading
 
 
-def _read_jsonl(path: Path, key: str) -> list[dict]:
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise ConfigError(f"{key}: {str(path)!r} line {lineno} is not valid JSON") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{key}: {str(path)!r} line {lineno} is not a JSON object")
-            records.append(record)
-    return records
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[Any]:
+    """Import `datasets` with its progress bars and info logs off for the duration."""
+    import datasets
+    from datasets.utils import logging as ds_logging
 
-
-def _read_json(path: Path, key: str) -> list[dict]:
+    was_enabled = datasets.is_progress_bar_enabled()
+    level = ds_logging.get_verbosity()
+    datasets.disable_progress_bars()
+    ds_logging.set_verbosity_error()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        yield datasets
+    finally:
+        ds_logging.set_verbosity(level)
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _diagnose_json(path: Path, key: str) -> None:
+    """Raise naming the first line of a JSON file that is not a JSON object (after a failed load;
+    returns when it finds nothing wrong)."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError:
-        return _read_jsonl(path, key)  # JSON Lines saved as .json
-    if isinstance(data, dict):
-        data = [data]
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise ConfigError(f"{key}: {str(path)!r} must hold a list of JSON objects")
-    return data
+        data = None
+    if data is not None:
+        if not isinstance(data, (list, dict)) or (
+            isinstance(data, list) and not all(isinstance(r, dict) for r in data)
+        ):
+            raise ConfigError(f"{key}: {str(path)!r} must hold a list of JSON objects")
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{key}: {str(path)!r} line {lineno} is not valid JSON") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{key}: {str(path)!r} line {lineno} is not a JSON object")
 
 
-def _read_parquet(path: Path, key: str) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+def _load_file(path: Path, key: str):
+    suffix = path.suffix.lower()
+    if suffix not in _BUILDERS:
         raise ConfigError(
-            f"{key}: cannot read Parquet file {str(path)!r} ({type(e).__name__})"
-        ) from None
+            f"{key}: unsupported format {suffix or path.name!r} of {str(path)!r}; use "
+            ".jsonl, .json, .parquet, .csv, a datasets folder or a cached HF dataset id"
+        )
+    builder = _BUILDERS[suffix]
+    with _quiet_datasets() as datasets:
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - the builders raise many types for bad files
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    try:  # name the line or the encoding when we can
+        if builder == "json":
+            _diagnose_json(path, key)
+        elif builder == "csv":
+            path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {str(path)!r} is not UTF-8 text") from None
+    raise ConfigError(f"{key}: cannot read {str(path)!r} ({detail})")
 
 
-def _read_arrow_file(path: Path):
-    import pyarrow as pa
+def _pick_split(splits: Sequence[str], split: str, where: str, key: str) -> str:
+    wanted = ["train"] if split == "train" else ["test", "validation"]
+    chosen = next((s for s in wanted if s in splits), None)
+    if chosen is None:
+        raise ConfigError(
+            f"{key}: {where} has splits {list(splits)}; need one of {wanted} "
+            "(or point at the split's folder)"
+        )
+    return chosen
 
-    try:
-        with pa.memory_map(str(path)) as source:
-            return pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        with pa.memory_map(str(path)) as source:
-            return pa.ipc.open_file(source).read_all()
 
-
-def _read_hf_folder(path: Path, key: str, split: str) -> list[dict]:
+def _load_folder(path: Path, key: str, split: str):
     if (path / "dataset_dict.json").is_file():
         splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
-        wanted = ["train"] if split == "train" else ["test", "validation"]
-        chosen = next((s for s in wanted if s in splits), None)
-        if chosen is None:
-            raise ConfigError(
-                f"{key}: HF DatasetDict {str(path)!r} has splits {splits}; need one of {wanted} "
-                "(or point at the split's folder)"
-            )
-        path = path / chosen
+        path = path / _pick_split(splits, split, f"HF DatasetDict {str(path)!r}", key)
     if not (path / "state.json").is_file():
         raise ConfigError(
             f"{key}: {str(path)!r} is a folder but not an HF datasets folder (no state.json or "
-            "dataset_dict.json); use a .jsonl / .parquet file or Dataset.save_to_disk output"
+            "dataset_dict.json); use a .jsonl / .parquet / .csv file or Dataset.save_to_disk output"
         )
-    try:
-        import datasets
-    except ImportError:
-        datasets = None
-    if datasets is not None:
-        return datasets.load_from_disk(str(path)).to_list()
-    try:
-        import pyarrow as pa
+    with _quiet_datasets() as datasets:
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as e:  # noqa: BLE001
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ConfigError(
+                f"{key}: cannot read HF datasets folder {str(path)!r} ({detail})"
+            ) from None
 
-        state = json.loads((path / "state.json").read_text())
-        tables = [_read_arrow_file(path / f["filename"]) for f in state["_data_files"]]
-        return pa.concat_tables(tables).to_pylist() if tables else []
-    except Exception as e:  # noqa: BLE001
+
+def _load_hub(repo_id: str, key: str, split: str):
+    folder = hub.snapshot(repo_id, repo_type="dataset")
+    if folder is None:
         raise ConfigError(
-            f"{key}: cannot read HF datasets folder {str(path)!r} without the `datasets` package "
-            f"({type(e).__name__}: {e}); pip install datasets"
-        ) from None
+            f"{key}: {repo_id!r} is neither a file or folder nor a dataset in the local "
+            "Hugging Face cache (download it first, e.g. `hf download --repo-type dataset "
+            f"{repo_id}`)"
+        )
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return _load_folder(folder, key, split)
+    with _quiet_datasets() as datasets:
+        try:
+            splits = list(datasets.get_dataset_split_names(str(folder)))
+            chosen = _pick_split(splits, split, f"HF dataset {repo_id!r}", key)
+            return datasets.load_dataset(str(folder), split=chosen)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            raise ConfigError(
+                f"{key}: cannot read cached HF dataset {repo_id!r} ({detail})"
+            ) from None
+
+
+def load_table(spec: str, key: str, split: str = "train"):
+    """A `datasets.Dataset` of a file, datasets folder or cached hub dataset id; ConfigError
+    naming `key` on failure (missing, unreadable, empty)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        table = _load_folder(path, key, split)
+    elif path.is_file():
+        table = _load_file(path, key)
+    elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
+        table = _load_hub(spec, key, split)
+    else:
+        raise ConfigError(f"{key}: {spec!r} does not exist")
+    if len(table) == 0:
+        raise ConfigError(f"{key}: {spec!r} holds no records")
+    return table
 
 
 def read_records(path_str: str, key: str, split: str = "train") -> list[dict]:
-    """All records of a data file or HF datasets folder; ConfigError naming `key` on failure."""
-    path = Path(path_str).expanduser()
-    if not path.exists():
-        raise ConfigError(f"{key}: {path_str!r} does not exist")
-    if path.is_dir():
-        records = _read_hf_folder(path, key, split)
-    else:
-        suffix = path.suffix.lower()
-        readers = {
-            ".jsonl": _read_jsonl,
-            ".ndjson": _read_jsonl,
-            ".json": _read_json,
-            ".parquet": _read_parquet,
-            ".pq": _read_parquet,
-        }
-        if suffix not in readers:
-            raise ConfigError(
-                f"{key}: unsupported format {suffix or path.name!r} of {path_str!r}; use "
-                ".jsonl, .json, .parquet or an HF datasets folder"
-            )
-        try:
-            records = readers[suffix](path, key)
-        except UnicodeDecodeError:
-            raise ConfigError(f"{key}: {path_str!r} is not UTF-8 text") from None
-    if not records:
-        raise ConfigError(f"{key}: {path_str!r} holds no records")
-    return records
+    """All records of a data source as dicts (small files and tests; training uses `Rows`)."""
+    return load_table(path_str, key, split).to_list()
+
+
+def column_names(table: Table) -> list[str]:
+    """Column names of a Dataset, or the union of keys of a list of dicts (in first-seen order)."""
+    if hasattr(table, "column_names"):
+        return list(table.column_names)
+    names: dict[str, None] = {}
+    for record in table:
+        names.update(dict.fromkeys(record))
+    return list(names)
+
+
+def first_null(table: Table, column: str) -> Optional[int]:
+    """Index of the first record whose `column` is missing or null (None if every one has it).
+
+    Datasets: Arrow null counts (no rows are read into Python); lists: a scan."""
+    if hasattr(table, "data"):
+        if column not in table.column_names:
+            return 0
+        import pyarrow.compute as pc
+
+        values = table.data.column(column)
+        if values.null_count == 0:
+            return None
+        return int(pc.index(pc.is_null(values), True).as_py())
+    for i, record in enumerate(table):
+        if record.get(column) is None:
+            return i
+    return None
+
+
+def check_records(table: Table, where: str) -> None:
+    """Every record of a Python list is a dict (a datasets.Dataset always is)."""
+    if isinstance(table, (list, tuple)):
+        for i, record in enumerate(table):
+            if not isinstance(record, dict):
+                raise ConfigError(f"{where}: record {i} is a {type(record).__name__}, not a dict")
+        if not table:
+            raise ConfigError(f"{where}: holds no records")
+
+
+class Rows(Sequence):
+    """Examples made on access from records of `table` (optionally a subset `indices`).
+
+    `make(record, index)` turns record `index` of the table into an Example; the table is never
+    copied into Python objects as a whole."""
+
+    def __init__(
+        self,
+        table: Table,
+        make: Callable[[dict, int], Example],
+        indices: Optional[np.ndarray] = None,
+    ):
+        self.table = table
+        self.make = make
+        self.indices = None if indices is None else np.asarray(indices, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.table) if self.indices is None else len(self.indices)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        index = i if self.indices is None else int(self.indices[i])
+        return self.make(dict(self.table[index]), index)
 
 
 # ----------------------------------------------------------------------------- streams

@@ -30,6 +30,8 @@ def numeric_example_from_record(
                 f"{dotted}: record {index} of {where} has no field {key!r} "
                 f"(fields: {', '.join(map(str, record))})"
             )
+        if record[key] is None:
+            raise ConfigError(f"{dotted}: record {index} of {where} has a null {key!r}")
     solution = str(record[cfg.answer_key])
     final = reference_answer(solution)
     if final is None:

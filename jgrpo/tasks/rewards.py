@@ -1,26 +1,56 @@
-"""Custom reward functions (`module:function`): import checks and contained execution.
+"""Custom reward functions: the signature, the start-up check and contained execution.
+
+The signature is TRL's (`GRPOTrainer(reward_funcs=...)`), called once per function per scored
+batch (one training step's rollout on one worker):
+
+    def my_reward(prompts, completions, completion_ids, **columns) -> list[float | None]
+
+with every argument a list aligned with the rows: `prompts[b]` (for `data.task: prompts` the
+record's prompt as stored, a string or chat messages; for the built-in tasks the prompt text),
+`completions[b]` (the generated text; `[{"role": "assistant", "content": text}]` when the prompt
+is a message list), `completion_ids[b]` (the generated token ids, the stop token excluded) and
+one list per dataset column (`columns["answer"][b]`; the prompt column is the `prompts`
+argument). All are passed as keywords, so `**kwargs` takes what a function does not name.
+`data.reward_functions[i].per_sample: true` keeps the old form `fn(prompt, completion, example)
+-> float`, called once per sample.
+
+None (or NaN) for a sample means "no reward from this function for this sample": it is counted
+(`reward/num_none`), it is not a zero. A sample's reward is the weighted sum over the functions
+that returned a value (plus the built-in verifier's term); a sample for which every term is
+None gets sample_mask 0, so it is left out of its group's baseline and of the loss. (TRL
+instead nansums: such a sample scores 0 and still enters the group mean.) Exceptions, timeouts
+and results that are not numbers are errors: those samples score 0 from that function and are
+counted (`reward/num_errors`, `reward/num_timeouts`). A batched call that raises, hangs or
+returns the wrong number of values fails all of its samples.
 
 Why a child process and not threads: a reward function that hangs in a thread can never be
 stopped; it keeps its thread (and, if it spins, a share of the GIL) for the rest of the run and
 can block interpreter exit. A child process can be interrupted and, if need be, killed. The cost
-is one interpreter start (about a second, paid lazily on the first `score` of a task that has
-custom rewards, and again only after a kill) plus one pickled round trip per function per
-`score` call; per sample there is only a `setitimer` and a 24-byte progress write.
+is one interpreter start plus one pickled round trip per function per `score` call; per call
+there is only a `setitimer` and a 24-byte progress write. Functions are sent to the child as
+`module:function` strings (imported there) or, when given as Python objects (a function
+defined in a notebook, say), pickled with cloudpickle (by value when they live in `__main__`).
+
+Start-up check (`RewardRunner.start`, called by the trainer's Task before any model loads): the
+child imports or unpickles every function and checks its signature under a SIGALRM timer of
+data.reward_import_timeout_s, and reports. The parent never imports reward modules itself, so a
+module that exits the process (os._exit), crashes or hangs at import is a ConfigError naming
+that function, not a silent end or a hang of jgrpo. The child keeps running and later scores.
 
 Inside the child (`python -c`, not multiprocessing: nothing is forked from a JAX/Ray process,
 and the parent's `__main__` is never re-imported) each call runs on the main thread under a
 SIGALRM interval timer of `reward_timeout_s`, which interrupts pure-Python hangs (sleep, loops)
 without losing the process. A hang that ignores signals (C code holding the GIL) is caught by
 the parent: the child publishes (function, sample, start time) in a shared memory map, and once a
-sample runs past `reward_timeout_s + _KILL_SLACK_S` the parent kills the child, restarts it, and
-resubmits the unfinished work.
+call runs past `reward_timeout_s + _KILL_SLACK_S` the parent kills the child, restarts it, and
+resubmits the unfinished work. The child ignores SIGINT (Ctrl-C stops the parent, which kills
+the child); a KeyboardInterrupt or SystemExit raised by a reward is an error of that call.
 
-Timeout rule: the first time a function times out within one `score` call, its remaining samples
-in that call are not run and count as timeouts too (likewise a call that kills the child: the
-function's remaining samples count as errors). Hangs are almost always systematic (a dead
-server, a deadlock), and this caps a `score` call at about `reward_timeout_s` per hanging
-function instead of N x timeout; the next call tries the function afresh. Exceptions, non-numeric
-and non-finite results are errors and score 0 for that sample only.
+Timeout rule (per-sample form): the first time a function times out within one `score` call, its
+remaining samples in that call are not run and count as timeouts too (likewise a call that kills
+the child: the function's remaining samples count as errors). Hangs are almost always
+systematic (a dead server, a deadlock), and this caps a `score` call at about `reward_timeout_s`
+per hanging function instead of N x timeout; the next call tries the function afresh.
 """
 
 from __future__ import annotations
@@ -43,56 +73,114 @@ from typing import Any
 
 import numpy as np
 
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, RewardFunctionConfig
 
-OK, ERROR, TIMEOUT = 0, 1, 2
-"""Per-sample status codes returned by `RewardRunner.run`."""
+OK, ERROR, TIMEOUT, NONE = 0, 1, 2, 3
+"""Per-sample status codes returned by `RewardRunner.run` (NONE: the function returned None)."""
 
 _KILL_SLACK_S = 1.0
 """Extra seconds past the timeout before the parent kills a child that ignores SIGALRM."""
 _STARTUP_TIMEOUT_S = 120.0
-"""A child that has not started its first sample after this long is killed."""
+"""A child that has not begun importing the reward functions after this long is killed."""
 _PROGRESS = struct.Struct("<ddd")  # (function index, sample index, start time; 0 = idle)
-_NEVER = -2  # function index before a child's first sample; -1 = idle between functions
+_NEVER = -2  # function index before a child's first import; -1 = idle between functions
+_IMPORTING = -3  # sample index while function f is being imported
+_RESERVED = ("prompts", "completions", "completion_ids")
 
 
-def import_reward_function(spec: str, key: str) -> Callable[[str, str, dict], Any]:
-    """Import `module:function`; ConfigError naming `key` if it cannot be used."""
+class _LoadError(Exception):
+    """A reward function cannot be used; the message names it and says why."""
+
+
+def describe(function: str | Callable) -> str:
+    """How messages name a reward function: the spec string, or the function's name."""
+    if isinstance(function, str):
+        return repr(function)
+    return f"function {getattr(function, '__qualname__', repr(function))!r}"
+
+
+def _import(spec: str) -> Callable:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"{key}: {spec!r} must look like module:function")
+        raise _LoadError(f"{spec!r} must look like module:function")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
+    except _Timeout:
+        raise
     except BaseException as e:  # noqa: BLE001 - any import-time failure is a config error
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        detail = " ".join(f"{type(e).__name__}: {e}".split())
-        raise ConfigError(f"{key}: cannot import {spec!r} ({detail})") from None
-    if not callable(obj):
-        raise ConfigError(f"{key}: {spec!r} is not callable (got {type(obj).__name__})")
-    try:
-        inspect.signature(obj).bind("prompt", "completion", {})
-    except TypeError:
-        raise ConfigError(
-            f"{key}: {spec!r} must accept (prompt, completion, example) positionally"
-        ) from None
-    except ValueError:  # builtins without a signature: trust them
-        pass
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise _LoadError(f"cannot import {spec!r} ({detail})") from None
     return obj
+
+
+def _check_signature(fn: Any, name: str, per_sample: bool) -> None:
+    if not callable(fn):
+        raise _LoadError(f"{name} is not callable (got {type(fn).__name__})")
+    try:
+        sig = inspect.signature(fn)
+    except ValueError:  # builtins without a signature: trust them
+        return
+    try:
+        if per_sample:
+            sig.bind("prompt", "completion", {})
+        else:  # columns are passed by name: only prompts= and completions= are checked here
+            params = sig.parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                raise TypeError("no **kwargs")
+            sig.bind_partial(prompts=[], completions=[])
+    except TypeError:
+        want = (
+            "(prompt, completion, example) positionally"
+            if per_sample
+            else "prompts=, completions= and **kwargs (TRL's reward signature)"
+        )
+        raise _LoadError(f"{name} must accept {want}") from None
+
+
+def import_reward_function(spec: str, key: str, per_sample: bool = False) -> Callable:
+    """Import `module:function` in this process and check its signature; ConfigError naming
+    `key`. (The trainer does this in the reward child instead, see `RewardRunner.start`.)"""
+    try:
+        fn = _import(spec)
+        _check_signature(fn, repr(spec), per_sample)
+    except _LoadError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    return fn
+
+
+def _payload(rf: RewardFunctionConfig, key: str) -> tuple:
+    """What the child needs to load one function: ("import", spec) or ("pickle", bytes)."""
+    if isinstance(rf.function, str):
+        return ("import", rf.function, rf.per_sample)
+    import cloudpickle
+
+    try:
+        blob = cloudpickle.dumps(rf.function)
+    except Exception as e:  # noqa: BLE001
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise ConfigError(
+            f"{key}: cannot send {describe(rf.function)} to the reward process ({detail})"
+        ) from None
+    return ("pickle", blob, rf.per_sample)
 
 
 # ----------------------------------------------------------------------------- the child
 
 _BOOTSTRAP = (  # stdlib only until sys.path is the parent's
-    "import sys\n"
+    "import sys, signal\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
     "from multiprocessing.connection import Connection\n"
     "conn = Connection(int(sys.argv[1]), writable=False)\n"
     "init = conn.recv()\n"
     "sys.path[:] = init['sys_path']\n"
-    "from jgrpo.tasks.rewards import serve\n"
-    "serve(conn, int(sys.argv[2]), init)\n"
+    "try:\n"
+    "    from jgrpo.tasks.rewards import serve\n"
+    "    serve(conn, int(sys.argv[2]), init)\n"
+    "except BaseException as e:\n"
+    "    sys.stderr.write(f'jgrpo reward process stopped: {type(e).__name__}: {e}\\n')\n"
+    "    sys.exit(1)\n"
 )
 
 
@@ -104,8 +192,74 @@ def _on_alarm(signum, frame):
     raise _Timeout()
 
 
+def _load_all(specs, progress, import_timeout_s: float):
+    """(functions, errors [(index, message)]) of the child's start-up: import under a timer."""
+    import signal
+
+    fns, errors = [], []
+    for f, (how, payload, per_sample) in enumerate(specs):
+        _PROGRESS.pack_into(progress, 0, f, _IMPORTING, time.monotonic())
+        name = repr(payload) if how == "import" else "the pickled function"
+        fn = None
+        try:
+            signal.setitimer(signal.ITIMER_REAL, import_timeout_s)
+            try:
+                if how == "import":
+                    fn = _import(payload)
+                else:
+                    import cloudpickle
+
+                    fn = cloudpickle.loads(payload)
+                    name = describe(fn)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            _check_signature(fn, name, per_sample)
+        except _Timeout:
+            errors.append((f, f"loading {name} did not finish within {import_timeout_s:g} s"))
+            break  # a hung import may have left the interpreter in any state
+        except _LoadError as e:
+            errors.append((f, str(e)))
+        except BaseException as e:  # noqa: BLE001 - unpickling runs user code too
+            detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            errors.append((f, f"cannot load {name} ({detail})"))
+        fns.append(fn)
+    _PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
+    return fns, errors
+
+
+def _batch_result(out: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, status) of one batched call's return value (see the module docstring)."""
+    values = np.zeros(n, np.float64)
+    status = np.full(n, ERROR, np.int8)
+    if isinstance(out, np.ndarray):
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)) or len(out) != n:
+        return values, status
+    for j, v in enumerate(out):
+        if v is None:
+            status[j] = NONE
+            continue
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isnan(v):
+            status[j] = NONE
+        elif math.isfinite(v):
+            values[j], status[j] = v, OK
+    return values, status
+
+
+def _columns(records: Sequence[dict], start: int, stop: int) -> dict[str, list]:
+    keys: dict[str, None] = {}
+    for r in records[start:stop]:
+        keys.update(dict.fromkeys(r))
+    return {k: [r.get(k) for r in records[start:stop]] for k in keys if k not in _RESERVED}
+
+
 def serve(conn: Connection, write_fd: int, init: dict) -> None:
-    """Child main loop: run jobs of (function, start, stop) ranges until the pipe closes."""
+    """Child main loop: load the functions, then run jobs of (function, start, stop) ranges
+    until the pipe closes."""
     import signal
 
     try:  # die with the parent even when stuck in C code (Linux only; best effort)
@@ -116,41 +270,73 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
         pass
     out = Connection(write_fd, readable=False)
     progress = mmap.mmap(init["progress_fd"], _PROGRESS.size)
-    fns = [import_reward_function(spec, spec) for spec in init["specs"]]
-    timeout_s = init["timeout_s"]
     signal.signal(signal.SIGALRM, _on_alarm)
+    specs = init["specs"]
+    fns, errors = _load_all(specs, progress, init["import_timeout_s"])
+    out.send(("ready", errors))
+    timeout_s = init["timeout_s"]
     while True:
         try:
             job = conn.recv()
         except EOFError:
             return
-        ranges, prompts, completions, examples = job
+        ranges, prompts, completions, records, completion_ids = job
         for f, start, stop in ranges:
-            values = np.zeros(stop - start, np.float64)
-            status = np.zeros(stop - start, np.int8)
-            hung = False
-            for i in range(start, stop):
-                if hung:
-                    status[i - start] = TIMEOUT
-                    continue
-                _PROGRESS.pack_into(progress, 0, f, i, time.monotonic())
+            if specs[f][2]:
+                values, status = _run_per_sample(
+                    fns[f], f, start, stop, prompts, completions, records, progress, timeout_s
+                )
+            else:
+                _PROGRESS.pack_into(progress, 0, f, start, time.monotonic())
+                kwargs = _columns(records, start, stop)
+                if completion_ids is not None:
+                    kwargs["completion_ids"] = completion_ids[start:stop]
                 try:
                     signal.setitimer(signal.ITIMER_REAL, timeout_s)
                     try:
-                        value = fns[f](prompts[i], completions[i], examples[i])
+                        result = fns[f](
+                            prompts=prompts[start:stop],
+                            completions=completions[start:stop],
+                            **kwargs,
+                        )
                     finally:
                         signal.setitimer(signal.ITIMER_REAL, 0)
-                    value = float(value)
-                    if not math.isfinite(value):
-                        raise ValueError(f"non-finite reward {value}")
-                    values[i - start] = value
+                    values, status = _batch_result(result, stop - start)
                 except _Timeout:
-                    status[i - start] = TIMEOUT
-                    hung = True
-                except Exception:  # noqa: BLE001 - any failure of user code scores 0
-                    status[i - start] = ERROR
-            _PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
+                    values, status = np.zeros(stop - start), np.full(stop - start, TIMEOUT, np.int8)
+                except BaseException:  # noqa: BLE001 - any failure of user code scores 0
+                    values, status = np.zeros(stop - start), np.full(stop - start, ERROR, np.int8)
             out.send((f, start, values, status))
+            _PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
+
+
+def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress, timeout_s):
+    import signal
+
+    values = np.zeros(stop - start, np.float64)
+    status = np.zeros(stop - start, np.int8)
+    hung = False
+    for i in range(start, stop):
+        if hung:
+            status[i - start] = TIMEOUT
+            continue
+        _PROGRESS.pack_into(progress, 0, f, i, time.monotonic())
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+            try:
+                value = fn(prompts[i], completions[i], records[i])
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"non-finite reward {value}")
+            values[i - start] = value
+        except _Timeout:
+            status[i - start] = TIMEOUT
+            hung = True
+        except BaseException:  # noqa: BLE001 - any failure of user code scores 0
+            status[i - start] = ERROR
+    return values, status
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -159,7 +345,7 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
 class _Child:
     """One running child process and its pipes."""
 
-    def __init__(self, specs: Sequence[str], timeout_s: float):
+    def __init__(self, payloads: Sequence[tuple], timeout_s: float, import_timeout_s: float):
         self._progress_file = tempfile.TemporaryFile()
         self._progress_file.write(_PROGRESS.pack(_NEVER, _NEVER, 0.0))
         self._progress_file.flush()
@@ -174,18 +360,49 @@ class _Child:
         )
         os.close(child_r)
         os.close(child_w)
+        self._finalizer = weakref.finalize(self, _kill, self.proc, self._progress_file)
         self.send_conn = Connection(parent_w, readable=False)
-        init = dict(
-            sys_path=list(sys.path), specs=list(specs), timeout_s=timeout_s, progress_fd=progress_fd
-        )
-        self.send_conn.send(init)
         self.recv_conn = Connection(parent_r, writable=False)
+        self.import_timeout_s = import_timeout_s
+        init = dict(
+            sys_path=list(sys.path),
+            specs=list(payloads),
+            timeout_s=timeout_s,
+            import_timeout_s=import_timeout_s,
+            progress_fd=progress_fd,
+        )
         self.started = time.monotonic()
-        self._finalizer = weakref.finalize(self, _kill, self.proc)
+        self.send_conn.send(init)
 
     def read_progress(self) -> tuple[int, int, float]:
         f, i, t = _PROGRESS.unpack_from(self.progress, 0)
         return int(f), int(i), t
+
+    def wait_ready(self) -> list[tuple[int, str]]:
+        """Wait for the start-up report: [(function index, problem)], empty when all loaded.
+
+        Raises _StartFailure(index or None, message) when the child dies or hangs first."""
+        while True:
+            try:
+                if self.recv_conn.poll(0.02):
+                    kind, errors = self.recv_conn.recv()
+                    return list(errors)
+            except (EOFError, OSError):  # the child exited: wait for its code below
+                try:
+                    self.proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            f, i, started = self.read_progress()
+            code = self.proc.poll()
+            if code is not None:
+                if i == _IMPORTING:
+                    raise _StartFailure(f, f"ended the reward process (exit code {code})")
+                raise _StartFailure(None, f"the reward process exited (code {code}) at start-up")
+            now = time.monotonic()
+            if i == _IMPORTING and now - started > self.import_timeout_s + _KILL_SLACK_S:
+                raise _StartFailure(f, f"did not finish within {self.import_timeout_s:g} s")
+            if f == _NEVER and now - self.started > _STARTUP_TIMEOUT_S:
+                raise _StartFailure(None, "the reward process did not start")
 
     def close(self) -> None:
         self._finalizer()
@@ -195,31 +412,53 @@ class _Child:
         self._progress_file.close()
 
 
-def _kill(proc: subprocess.Popen) -> None:
+class _StartFailure(Exception):
+    def __init__(self, index, message):
+        super().__init__(message)
+        self.index = index
+
+
+def _kill(proc: subprocess.Popen, progress_file) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+    progress_file.close()
 
 
 class RewardRunner:
-    """Runs `module:function` rewards in a child process with per-sample timeouts.
+    """Runs reward functions in a child process with timeouts (see the module docstring).
 
-    `run(prompts, completions, examples)` returns (values float64[F, N], status int8[F, N]) with
-    status OK / ERROR / TIMEOUT; values are 0 wherever status is not OK. Picklable: the child is
-    not part of the state and starts lazily in whichever process calls `run`.
+    `run(prompts, completions, records, completion_ids)` returns (values float64[F, N], status
+    int8[F, N]) with status OK / ERROR / TIMEOUT / NONE; values are 0 wherever status is not
+    OK. `start()` is the start-up check. Picklable: the child is not part of the state and
+    starts lazily in whichever process calls `run`.
     """
 
-    def __init__(self, specs: Sequence[str], timeout_s: float):
-        self.specs = tuple(specs)
+    def __init__(
+        self,
+        functions: Sequence[RewardFunctionConfig],
+        timeout_s: float,
+        import_timeout_s: float = 60.0,
+    ):
+        self.functions = tuple(functions)
         self.timeout_s = float(timeout_s)
+        self.import_timeout_s = float(import_timeout_s)
+        self._payloads = [
+            _payload(rf, f"data.reward_functions[{i}].function")
+            for i, rf in enumerate(self.functions)
+        ]
         self._child: _Child | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self):
-        return {"specs": self.specs, "timeout_s": self.timeout_s}
+        return {
+            "functions": self.functions,
+            "timeout_s": self.timeout_s,
+            "import_timeout_s": self.import_timeout_s,
+        }
 
     def __setstate__(self, state):
-        self.__init__(state["specs"], state["timeout_s"])
+        self.__init__(state["functions"], state["timeout_s"], state["import_timeout_s"])
 
     def close(self) -> None:
         """Stop the child process (a later `run` starts a new one)."""
@@ -227,13 +466,42 @@ class RewardRunner:
             self._child.close()
             self._child = None
 
-    def run(self, prompts, completions, examples) -> tuple[np.ndarray, np.ndarray]:
-        n, num_fns = len(prompts), len(self.specs)
+    def _key(self, index: int) -> str:
+        return f"data.reward_functions[{index}].function"
+
+    def start(self) -> None:
+        """The start-up check: load every function in a fresh child; ConfigError naming the
+        first that cannot be imported, unpickled or called with the right signature, or whose
+        loading exits, crashes or hangs past data.reward_import_timeout_s. Keeps the child."""
+        if not self.functions:
+            return
+        with self._lock:
+            self.close()
+            child = _Child(self._payloads, self.timeout_s, self.import_timeout_s)
+            try:
+                errors = child.wait_ready()
+            except _StartFailure as e:
+                child.close()
+                if e.index is None:
+                    raise ConfigError(f"data.reward_functions: {e}") from None
+                what = describe(self.functions[e.index].function)
+                raise ConfigError(f"{self._key(e.index)}: loading {what} {e}") from None
+            if errors:
+                child.close()
+                index, message = errors[0]
+                raise ConfigError(f"{self._key(index)}: {message}")
+            self._child = child
+
+    def run(
+        self, prompts, completions, records, completion_ids=None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        n, num_fns = len(prompts), len(self.functions)
         values = np.zeros((num_fns, n), np.float64)
         status = np.zeros((num_fns, n), np.int8)
         if n == 0 or num_fns == 0:
             return values, status
-        payload = (list(prompts), list(completions), list(examples))
+        ids = None if completion_ids is None else [list(map(int, c)) for c in completion_ids]
+        payload = (list(prompts), list(completions), list(records), ids)
         todo = [(f, 0, n) for f in range(num_fns)]
         with self._lock:
             while todo:
@@ -244,13 +512,21 @@ class RewardRunner:
         """Send `ranges` to the child; after a kill or crash, return the ranges still to run."""
         if self._child is None or self._child.proc.poll() is not None:
             self.close()
-            self._child = _Child(self.specs, self.timeout_s)
+            self._child = _Child(self._payloads, self.timeout_s, self.import_timeout_s)
+            try:
+                failed = self._child.wait_ready()
+            except _StartFailure:
+                failed = [(f, "") for f in range(len(self.functions))]
+            if failed:  # cannot load (only where no start-up check ran): these calls fail
+                self.close()
+                for f, start, stop in ranges:
+                    status[f, start:stop] = ERROR
+                return []
         child = self._child
         pending = {(f, start): stop for f, start, stop in ranges}
         failure = ERROR
         try:
             child.send_conn.send((ranges, *payload))
-            sent_at = time.monotonic()
             while pending:
                 if child.recv_conn.poll(0.05):
                     f, start, vals, stats = child.recv_conn.recv()
@@ -264,18 +540,12 @@ class RewardRunner:
                 if started > 0 and time.monotonic() - started > self.timeout_s + _KILL_SLACK_S:
                     failure = TIMEOUT
                     break
-                if f == _NEVER and time.monotonic() - sent_at > _STARTUP_TIMEOUT_S:
-                    break
             else:
                 return []
         except (EOFError, OSError):
             pass
         f, i, _ = child.read_progress()
         self.close()
-        if f == _NEVER:  # the child never ran a sample: it cannot start, give up on this call
-            for (g, s), e in pending.items():
-                status[g, s:e] = ERROR
-            return []
         key = next(((g, s) for (g, s), e in pending.items() if g == f and s <= i < e), None)
         if key is None:  # died between functions: rerun everything unfinished
             return [(g, s, e) for (g, s), e in pending.items()]

@@ -2,20 +2,24 @@
 
 A Task owns the training order (`task.train`, a restorable stream), the held-out examples
 (`task.val`), prompt text (`format_prompt`), the SFT target (`reference_completion`) and the
-reward (`score`). The task kinds (arithmetic, countdown, gsm8k) are dispatched in one place,
-`_KINDS`; they differ only in prompts, references, generation and verifier.
+reward (`score`). Every task is the same mechanism: records (a dataset, or a generator for the
+synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in one place
+(`_KINDS`), differ only in prompts, references, generation and verifier: arithmetic, countdown
+and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
+prompt from a dataset column and is scored by data.reward_functions alone.
 
-Validation set: data.val_path when given (its first data.num_val_examples records); else, for
-file data, a seeded split of train_path disjoint from training (at most half of the records);
-else a synthetic set disjoint from every training example (same dedup key: the question for
-arithmetic, the number multiset for countdown). The split and the synthetic val set depend only
-on the data config, not on the run seed, so runs with different seeds are validated alike.
+Validation set: data.val_path (or eval_dataset) when given (its first data.num_val_examples
+records); else, for file data, a seeded split of the training records disjoint from training (at
+most half of the records); else a synthetic set disjoint from every training example (same dedup
+key: the question for arithmetic, the number multiset for countdown). The split and the
+synthetic val set depend only on the data config, not on the run seed, so runs with different
+seeds are validated alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -25,17 +29,37 @@ from jgrpo.tasks.countdown import CountdownTask
 from jgrpo.tasks.data import (
     Example,
     RecordStream,
+    Rows,
     SyntheticStream,
-    read_records,
+    Table,
+    check_records,
+    load_table,
     split_indices,
 )
 from jgrpo.tasks.gsm8k import GSM8KTask
-from jgrpo.tasks.rewards import ERROR, TIMEOUT, RewardRunner, import_reward_function
+from jgrpo.tasks.prompts import PromptsTask
+from jgrpo.tasks.rewards import ERROR, NONE, OK, TIMEOUT, RewardRunner
 
-_KINDS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "gsm8k": GSM8KTask}
+_KINDS = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "gsm8k": GSM8KTask,
+    "prompts": PromptsTask,
+}
+_NEEDS_RECORDS = ("gsm8k", "prompts")
 _VAL_SEED = 20_240_601
 """Seed of synthetic validation sets (fixed: the same for every run seed)."""
 _MAX_REJECTS = 10_000
+
+
+def check_rewards_given(cfg: DataConfig) -> None:
+    """A task without a verifier needs a reward function (the Python API adds its reward_funcs
+    to data.reward_functions first, so this is not a `validate` rule)."""
+    if not getattr(_KINDS.get(cfg.task), "has_verifier", True) and not cfg.reward_functions:
+        raise ConfigError(
+            f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
+            "one reward function"
+        )
 
 
 class Task:
@@ -46,23 +70,33 @@ class Task:
     trainer's Task.
     """
 
-    def __init__(self, cfg: DataConfig, seed: int, load_data: bool = True):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        seed: int,
+        load_data: bool = True,
+        *,
+        train_dataset: Optional[Table] = None,
+        eval_dataset: Optional[Table] = None,
+    ):
         if cfg.task not in _KINDS:
             raise ConfigError(
                 f"data.task: {cfg.task!r} is not allowed; choose one of "
                 f"{', '.join(map(repr, _KINDS))}"
             )
+        check_rewards_given(cfg)
         self.cfg = cfg
         self.seed = int(seed)
         self.kind = _KINDS[cfg.task](cfg)
-        for i, rf in enumerate(cfg.reward_functions):
-            import_reward_function(rf.function, f"data.reward_functions[{i}].function")
+        self.has_verifier = getattr(self.kind, "has_verifier", True)
+        self.reward_names = tuple(rf.label for rf in cfg.reward_functions)
         self._runner = RewardRunner(
-            [rf.function for rf in cfg.reward_functions], cfg.reward_timeout_s
+            cfg.reward_functions, cfg.reward_timeout_s, cfg.reward_import_timeout_s
         )
         self._train = self._val = None
         if load_data:
-            self._train, self._val = self._build_data()
+            self._train, self._val = self._build_data(train_dataset, eval_dataset)
+            self._runner.start()  # the reward start-up check, before any model loads
 
     def __reduce__(self):
         return (Task, (self.cfg, self.seed, False))
@@ -86,43 +120,65 @@ class Task:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
 
-    def _build_data(self):
+    def _build_data(self, train_dataset, eval_dataset):
         cfg = self.cfg
-        if cfg.train_path is None:
-            if cfg.task == "gsm8k":
-                raise ConfigError(
-                    "data.train_path: task 'gsm8k' needs a JSONL / Parquet file or "
-                    "HF datasets folder of question/answer records"
+        train = self._rows(train_dataset, cfg.train_path, "data.train_path", "train")
+        val = self._rows(eval_dataset, cfg.val_path, "data.val_path", "val")
+        if val is not None:
+            val = val[: cfg.num_val_examples]
+        if train is None:
+            if cfg.task in _NEEDS_RECORDS:
+                what = (
+                    "a prompt dataset"
+                    if cfg.task == "prompts"
+                    else "question/answer records ending in '#### N'"
                 )
-            if cfg.val_path is not None:
-                val = self._read_examples(cfg.val_path, "data.val_path", "val")
-                val = val[: cfg.num_val_examples]
+                raise ConfigError(
+                    f"data.train_path: task {cfg.task!r} needs {what}: a JSONL / JSON / Parquet "
+                    "/ CSV file, datasets folder or cached HF dataset id (or train_dataset= "
+                    "from Python)"
+                )
+            if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
-        train = self._read_examples(cfg.train_path, "data.train_path", "train")
-        if cfg.val_path is not None:
-            val = self._read_examples(cfg.val_path, "data.val_path", "val")
-            val = val[: cfg.num_val_examples]
-        else:
+        if val is None:
             if len(train) < 2:
                 raise ConfigError(
-                    f"data.train_path: {cfg.train_path!r} has {len(train)} record; "
-                    "need >= 2 to hold out a validation split (or set data.val_path)"
+                    f"data.train_path: {cfg.train_path or 'train_dataset'!r} has {len(train)} "
+                    "record; need >= 2 to hold out a validation split (or set data.val_path)"
                 )
             train_idx, val_idx = split_indices(len(train), cfg.num_val_examples)
-            train, val = [train[i] for i in train_idx], [train[i] for i in val_idx]
+            val = [train[int(i)] for i in val_idx]
+            train = Rows(train.table, train.make, train_idx)
         return RecordStream(train, self.seed, cfg.shuffle), val
 
-    def _read_examples(self, path: str, key: str, split: str) -> list[Example]:
-        records = read_records(path, key, split)
-        where = f"{key} {path!r}"
-        examples = []
-        for i, record in enumerate(records):
-            example = self.kind.example_from_record(record, i, where, self.cfg)
-            example["id"] = f"{split}/{i}"
-            examples.append(example)
-        return examples
+    def _rows(self, dataset, path: Optional[str], key: str, split: str) -> Optional[Rows]:
+        """Examples of a Python dataset (preferred) or of the file/folder/id at `path`."""
+        if dataset is not None:
+            where = "train_dataset" if split == "train" else "eval_dataset"
+            check_records(dataset, where)
+            table = dataset
+        elif path is not None:
+            where = f"{key} {path!r}"
+            table = load_table(path, key, split)
+        else:
+            return None
+        # ids name the record in its source: "train/<i>" for train and its held-out split
+        prefix = "train" if split == "train" else "val"
+        kind, cfg = self.kind, self.cfg
+
+        def make(record: dict, index: int) -> Example:
+            example = kind.example_from_record(record, index, where, cfg)
+            example["id"] = f"{prefix}/{index}"
+            return example
+
+        if hasattr(kind, "check_table"):
+            kind.check_table(table, where)
+        else:  # built-in tasks: check every record now, so a bad one is named before training
+            for index, record in enumerate(table):
+                kind.example_from_record(dict(record), index, where, cfg)
+        return Rows(table, make)
 
     def _synthetic_val(self) -> tuple[list[Example], set]:
         num_val = min(self.cfg.num_val_examples, self.kind.space_size // 2)
@@ -155,24 +211,42 @@ class Task:
 
     # ------------------------------------------------------------------------- prompts
 
+    @property
+    def needs_chat_template(self) -> bool:
+        """The loaded data holds chat-message prompts (known after the data checks)."""
+        return bool(getattr(self.kind, "has_messages", False))
+
+    def _messages(self, example: Example) -> list[dict]:
+        if hasattr(self.kind, "messages"):
+            return self.kind.messages(example)
+        return [{"role": "user", "content": self.kind.instruction(example)}]
+
     def format_prompt(self, example: Example, tokenizer: Any = None) -> str:
         """Prompt text: the chat template when data.use_chat_template and the tokenizer has one
-        (encode it with add_special_tokens=False), else the task's bare compact prompt."""
+        (encode it with add_special_tokens=False), else the task's bare prompt; a chat-message
+        prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`)."""
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
-        if not (self.cfg.use_chat_template and template):
-            return self.kind.bare_prompt(example)
-        user = self.kind.instruction(example)
-        messages = [{"role": "user", "content": user}]
-        if self.cfg.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        bare = self.kind.bare_prompt(example)
+        if bare is not None and not (self.cfg.use_chat_template and template):
+            return bare
+        if not template:
+            raise ValueError(
+                f"record {example.get('id')}: the prompt is a list of chat messages, but the "
+                "tokenizer has no chat template"
+            )
+        messages = self._messages(example)
+        system = self.cfg.system_prompt
+        if system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
         try:
             return tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
         except Exception:  # noqa: BLE001 - templates without a system role (e.g. Gemma)
-            if not self.cfg.system_prompt:
+            if not system or messages[0].get("content") != system:
                 raise
-            merged = [{"role": "user", "content": f"{self.cfg.system_prompt}\n\n{user}"}]
+            first = messages[1]
+            merged = [{**first, "content": f"{system}\n\n{first['content']}"}, *messages[2:]]
             return tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
 
     def reference_completion(self, example: Example) -> str:
@@ -186,37 +260,67 @@ class Task:
         """The task verifier alone: is the completion's final answer correct?"""
         return bool(self.kind.verify(completion, example))
 
-    def score(
-        self, prompts: Sequence[str], completions: Sequence[str], examples: Sequence[Example]
-    ) -> tuple[np.ndarray, dict]:
-        """Rewards float32[N] = task_reward_weight * correct + sum_i weight_i * fn_i(...).
+    def start_rewards(self) -> None:
+        """Run the reward start-up check now (a Task built with load_data=False skips it)."""
+        self._runner.start()
 
-        info: accuracy (fraction the verifier marked correct), num_reward_errors,
-        num_reward_timeouts (custom-function samples that raised / ran out of time; they score
-        0), correct bool[N], custom_rewards float32[F, N] (unweighted; 0 where failed).
+    def score(
+        self,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        examples: Sequence[Example],
+        completion_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> tuple[np.ndarray, dict]:
+        """Rewards float32[N] = task_reward_weight * correct + sum_i weight_i * fn_i(...) over
+        the functions that returned a value for the row (see `jgrpo.tasks.rewards`).
+
+        info: accuracy (fraction the verifier marked correct; None without a verifier),
+        num_reward_errors, num_reward_timeouts (samples whose call raised / ran out of time;
+        they score 0 from that function), num_reward_none (None results), correct bool[N] (None
+        without a verifier), custom_rewards float32[F, N] (unweighted; 0 where not OK),
+        reward_terms float32[N, F] (NaN where not OK), sample_mask bool[N] (False where no term
+        gave a value).
         """
         n = len(completions)
         if not len(prompts) == len(examples) == n:
             raise ValueError(
                 f"score: {len(prompts)} prompts, {n} completions, {len(examples)} examples"
             )
-        correct = np.zeros(n, bool)
         num_errors = 0
-        for j, (completion, example) in enumerate(zip(completions, examples)):
-            try:
-                correct[j] = self.kind.verify(completion, example)
-            except Exception:  # noqa: BLE001 - a malformed example must not stop the run
-                num_errors += 1
-        rewards = self.cfg.task_reward_weight * correct.astype(np.float64)
-        values, status = self._runner.run(prompts, completions, examples)
+        correct = None
+        rewards = np.zeros(n, np.float64)
+        if self.has_verifier:
+            correct = np.zeros(n, bool)
+            for j, (completion, example) in enumerate(zip(completions, examples)):
+                try:
+                    correct[j] = self.kind.verify(completion, example)
+                except Exception:  # noqa: BLE001 - a malformed example must not stop the run
+                    num_errors += 1
+            rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
+        if hasattr(self.kind, "reward_inputs"):
+            pairs = [
+                self.kind.reward_inputs(e, p, c) for e, p, c in zip(examples, prompts, completions)
+            ]
+            r_prompts, r_completions = [p for p, _ in pairs], [c for _, c in pairs]
+            records = [self.kind.reward_record(e) for e in examples]
+        else:
+            r_prompts, r_completions, records = list(prompts), list(completions), list(examples)
+        values, status = self._runner.run(r_prompts, r_completions, records, completion_ids)
+        ok = status == OK
         for f, rf in enumerate(self.cfg.reward_functions):
-            rewards += rf.weight * values[f]
+            rewards += rf.weight * np.where(ok[f], values[f], 0.0)
+        has_value = (status != NONE).any(axis=0)
+        if self.has_verifier and self.cfg.task_reward_weight != 0:
+            has_value[:] = True
         info = {
-            "accuracy": float(correct.mean()) if n else 0.0,
+            "accuracy": float(correct.mean()) if correct is not None and n else None,
             "num_reward_errors": num_errors + int((status == ERROR).sum()),
             "num_reward_timeouts": int((status == TIMEOUT).sum()),
+            "num_reward_none": int((status == NONE).sum()),
             "correct": correct,
-            "custom_rewards": values.astype(np.float32),
+            "custom_rewards": np.where(ok, values, 0.0).astype(np.float32),
+            "reward_terms": np.where(ok, values, np.nan).T.astype(np.float32),
+            "sample_mask": has_value,
         }
         return rewards.astype(np.float32), info
 
@@ -225,10 +329,21 @@ class Task:
         self._runner.close()
 
 
-def make_task(data_cfg: DataConfig, seed: int, *, load_data: bool = True) -> Task:
-    """Validate `data_cfg` cheaply (files, fields, reward imports) and build the Task.
+def make_task(
+    data_cfg: DataConfig,
+    seed: int,
+    *,
+    load_data: bool = True,
+    train_dataset: Optional[Table] = None,
+    eval_dataset: Optional[Table] = None,
+) -> Task:
+    """Validate `data_cfg` (files, fields, the reward start-up check) and build the Task.
 
     Raises ConfigError (one line naming the dotted key or file) before any model loads.
-    `load_data=False` skips reading data (rollout workers that only format and score).
+    `load_data=False` skips reading data and the reward check (rollout workers that only
+    format and score). `train_dataset` / `eval_dataset` (a list of dicts or a
+    `datasets.Dataset`) replace data.train_path / data.val_path.
     """
-    return Task(data_cfg, seed, load_data=load_data)
+    return Task(
+        data_cfg, seed, load_data=load_data, train_dataset=train_dataset, eval_dataset=eval_dataset
+    )
