@@ -238,13 +238,14 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically."""
-    from jgrpo.models import Transformer, config_from_hf
+    from flax import nnx
+
+    from jgrpo.models import Transformer, read_hf_config
     from jgrpo.models.hf import save_pretrained
     from jgrpo.models.sources import atomic_folder
 
     folder = resolve_model_path(t.cfg.model.path)
-    hf = json.loads((folder / "config.json").read_text())
-    model_cfg = config_from_hf(hf, dtype=t.cfg.model.dtype)
+    model_cfg = read_hf_config(folder, **model_options(t.cfg.model))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
     nnx.replace_by_pure_dict(state, t.state.params)
     with atomic_folder(out, overwrite=True) as tmp:
