@@ -2,7 +2,8 @@
 builds it.
 
 API (what train, inspect-step, export, the tests and the tools use):
-- `build_step(cfg, model, mesh=None) -> StepSetup`: mesh -> parameter shardings (from the
+- `build_step(cfg, model, mesh=None, trainable=None) -> StepSetup`: mesh -> parameter
+  shardings (from the
   model's logical axes) -> optimizer and its state shardings -> the initial `TrainState`, the
   reference params and the jitted step. `model` may be concrete (its arrays are placed on the
   mesh) or abstract (`nnx.eval_shape`: the state is `jax.ShapeDtypeStruct`s carrying their
@@ -14,8 +15,9 @@ API (what train, inspect-step, export, the tests and the tools use):
 - `TrainState(params, opt_state, step)`: `params` is the TRAINABLE tree. `frozen` is the tree of
   parameters that are not trained (None when everything trains): it is merged with the trainable
   one (`with_frozen`) for every forward, is never differentiated or updated, and is passed like
-  `ref_params`. `ref_params` has the trainable tree's structure (the initial values; stored in
-  the compute dtype, which is exactly what the forward would cast them to).
+  `ref_params`; `build_step(..., trainable=FILTER)` splits a model so (`setup.frozen`).
+  `ref_params` has the trainable tree's structure (the initial values; stored in the compute
+  dtype, which is exactly what the forward would cast them to).
 
 `StepFlags` (frozen, hashable) decides the program: which logprob forwards exist, the loss and
 advantage structure (bools, choices, None-ness), and the minibatch/microbatch split. Float
@@ -489,14 +491,28 @@ class StepSetup:
         )
 
 
-def build_step(cfg: Config, model: nnx.Module, *, mesh=None) -> StepSetup:
+def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> StepSetup:
     """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
 
-    `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device."""
+    `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device. `trainable` is an nnx
+    filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
+    the others become `frozen` (placed with their shardings, in their stored dtype). None =
+    everything trains."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
-    graphdef, model_state = nnx.split(model)
-    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
+    rules = sharding.make_rules(cfg.mesh)
+    frozen = None
+    if trainable is None:
+        graphdef, model_state = nnx.split(model)
+    else:
+        graphdef, model_state, frozen_state = nnx.split(model, trainable, ...)
+        f_shard = sharding.param_shardings(frozen_state, mesh, rules)
+        frozen = nnx.to_pure_dict(frozen_state)
+        if _is_abstract(frozen):
+            frozen = _with_shardings(frozen, f_shard)
+        else:
+            frozen = sharding.shard_params(frozen, f_shard)
+    p_shard = sharding.param_shardings(model_state, mesh, rules)
     params = nnx.to_pure_dict(model_state)
     abstract = _is_abstract(params)
     tx = make_optimizer(cfg)
@@ -529,7 +545,7 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None) -> StepSetup:
         shardings=shardings,
         state=state,
         ref_params=ref,
-        frozen=None,
+        frozen=frozen,
         hparams=make_hparams(cfg),
         step_fn=make_train_step(flags, graphdef, tx, shardings),
     )
