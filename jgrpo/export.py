@@ -61,7 +61,9 @@ def load_checkpoint_model(path, cfg: Config | None = None):
     built = step.build_step(cfg, abstract, mesh=sharding.make_mesh(one, jax.devices()[:1]))
     with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
         state, _ = checkpointer.restore(ckpt_step, built.state)
-    return nnx.merge(built.graphdef, state.params), folder, cfg
+    model = nnx.merge(built.graphdef, state.params)
+    model.activation_sharding = None  # the trainer's constraint; this model samples and exports
+    return model, folder, cfg
 
 
 def export_checkpoint(path, out) -> Path:

@@ -330,9 +330,16 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
     return data, metrics
 
 
-def accumulate_gradients(params, data, hparams, *, flags, graphdef, frozen=None):
+def accumulate_gradients(
+    params, data, hparams, *, flags, graphdef, frozen=None, grad_shardings=None
+):
     """Sum of microbatch gradients of the minibatch loss (normalised by its global counts),
-    accumulated in float32 whatever the parameter dtype."""
+    accumulated in float32 whatever the parameter dtype. `grad_shardings` (the params')
+    pins every gradient to its parameter's sharding: left to propagation, XLA kept whole
+    (unsharded) float32 gradients, 8x the memory under fsdp=8."""
+    pin = lambda g: (
+        g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
+    )
     loss_cfg = dataclasses.replace(flags.loss, **hparams["loss"])
     m_bt = data["token_mask"] * data["sample_mask"][:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data["sample_mask"])
@@ -345,17 +352,26 @@ def accumulate_gradients(params, data, hparams, *, flags, graphdef, frozen=None)
 
     def micro(grads, mb):
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
+        g = pin(jax.tree.map(lambda x: x.astype(jnp.float32), g))
+        return jax.tree.map(jnp.add, grads, g), metrics
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     grads, metrics_k = jax.lax.scan(micro, zeros, chunk_rows(data, flags.num_microbatches))
     return grads, losses.combine_metrics(metrics_k)
 
 
-def optimizer_update(state, data, hparams, *, flags, graphdef, tx, frozen=None):
+def optimizer_update(
+    state, data, hparams, *, flags, graphdef, tx, frozen=None, grad_shardings=None
+):
     """Step 4 for one minibatch: accumulate microbatch gradients, the optax update (or skip)."""
     grads, metrics = accumulate_gradients(
-        state.params, data, hparams, flags=flags, graphdef=graphdef, frozen=frozen
+        state.params,
+        data,
+        hparams,
+        flags=flags,
+        graphdef=graphdef,
+        frozen=frozen,
+        grad_shardings=grad_shardings,
     )
     grad_norm = optax.tree.norm(grads)
     opt_state = set_hyperparams(state.opt_state, hparams)
@@ -374,7 +390,9 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx, frozen=None):
     return new_state, metrics
 
 
-def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx):
+def train_step(
+    state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx, grad_shardings=None
+):
     """One GRPO step on a rollout batch -> (new state, metrics)."""
     full_state = state._replace(params=with_frozen(state.params, frozen))
     data, metrics = prepare_batch(
@@ -383,7 +401,14 @@ def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphde
 
     def update(s, mb):
         return optimizer_update(
-            s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx, frozen=frozen
+            s,
+            mb,
+            hparams,
+            flags=flags,
+            graphdef=graphdef,
+            tx=tx,
+            frozen=frozen,
+            grad_shardings=grad_shardings,
         )
 
     state, metrics_m = jax.lax.scan(update, state, chunk_rows(data, flags.num_minibatches))
@@ -393,9 +418,19 @@ def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphde
 def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
     """jit(train_step) for these flags; donates the state; pins the output state shardings."""
 
+    grad_shardings = None if state_shardings is None else state_shardings.params
+
     def fn(state, batch, hparams, ref_params, frozen=None):
         return train_step(
-            state, batch, hparams, ref_params, frozen, flags=flags, graphdef=graphdef, tx=tx
+            state,
+            batch,
+            hparams,
+            ref_params,
+            frozen,
+            flags=flags,
+            graphdef=graphdef,
+            tx=tx,
+            grad_shardings=grad_shardings,
         )
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
@@ -443,6 +478,22 @@ def _with_shardings(tree, shardings):
 def _reference_copy(params, dtype):
     """The reference policy's params: a copy in the compute dtype (never the donated buffers)."""
     return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x.copy(), params)
+
+
+def constrained_graphdef(model: nnx.Module, activation_sharding):
+    """The graph def of `model` with its [b, t, d] activations pinned to the batch sharding.
+
+    Left to propagation, XLA resolved fsdp's conflict (rows and the embed axis of every weight
+    both split over `fsdp`) by gathering the ACTIVATIONS: every device then held whole
+    microbatches (the 1.5B inspect-step showed [32, 1088, 8960] buffers per device, 8x the
+    rows it owns). Pinned, it gathers the weights instead (FSDP). `model` itself is left
+    as it was (the sampler's graph stays unconstrained: its batches need not divide)."""
+    before = model.activation_sharding
+    model.activation_sharding = activation_sharding
+    try:
+        return nnx.graphdef(model)
+    finally:
+        model.activation_sharding = before
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -515,6 +566,7 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
     p_shard = sharding.param_shardings(model_state, mesh, rules)
     params = nnx.to_pure_dict(model_state)
     abstract = _is_abstract(params)
+    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3))
     tx = make_optimizer(cfg)
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
