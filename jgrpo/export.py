@@ -91,7 +91,9 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
             ) from None
-    return nnx.merge(built.graphdef, state.params), folder, cfg
+    model = nnx.merge(built.graphdef, state.params)
+    model.activation_sharding = None  # the trainer's constraint; this model samples and exports
+    return model, folder, cfg
 
 
 def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:

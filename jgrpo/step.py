@@ -2,7 +2,8 @@
 builds it.
 
 API (what train, inspect-step, export, the tests and the tools use):
-- `build_step(cfg, model, mesh=None) -> StepSetup`: mesh -> parameter shardings (from the
+- `build_step(cfg, model, mesh=None, trainable=None) -> StepSetup`: mesh -> parameter
+  shardings (from the
   model's logical axes) -> optimizer and its state shardings -> the initial `TrainState`, the
   reference params and the jitted step. `model` may be concrete (its arrays are placed on the
   mesh) or abstract (`nnx.eval_shape`: the state is `jax.ShapeDtypeStruct`s carrying their
@@ -14,8 +15,9 @@ API (what train, inspect-step, export, the tests and the tools use):
 - `TrainState(params, opt_state, step)`: `params` is the TRAINABLE tree. `frozen` is the tree of
   parameters that are not trained (None when everything trains): it is merged with the trainable
   one (`with_frozen`) for every forward, is never differentiated or updated, and is passed like
-  `ref_params`. `ref_params` has the trainable tree's structure (the initial values; stored in
-  the compute dtype, which is exactly what the forward would cast them to).
+  `ref_params`; `build_step(..., trainable=FILTER)` splits a model so (`setup.frozen`).
+  `ref_params` has the trainable tree's structure (the initial values; stored in the compute
+  dtype, which is exactly what the forward would cast them to).
 
 `StepFlags` (frozen, hashable) decides the program: which logprob forwards exist, the loss and
 advantage structure (bools, choices, None-ness), and the minibatch/microbatch split. Float
@@ -346,9 +348,16 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
     return data, metrics
 
 
-def accumulate_gradients(params, data, hparams, *, flags, graphdef, frozen=None):
+def accumulate_gradients(
+    params, data, hparams, *, flags, graphdef, frozen=None, grad_shardings=None
+):
     """Sum of microbatch gradients of the minibatch loss (normalised by its global counts),
-    accumulated in float32 whatever the parameter dtype."""
+    accumulated in float32 whatever the parameter dtype. `grad_shardings` (the params')
+    pins every gradient to its parameter's sharding: left to propagation, XLA kept whole
+    (unsharded) float32 gradients, 8x the memory under fsdp=8."""
+    pin = lambda g: (
+        g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
+    )
     loss_cfg = dataclasses.replace(flags.loss, **hparams["loss"])
     m_bt = data["token_mask"] * data["sample_mask"][:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data["sample_mask"])
@@ -361,17 +370,26 @@ def accumulate_gradients(params, data, hparams, *, flags, graphdef, frozen=None)
 
     def micro(grads, mb):
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g), metrics
+        g = pin(jax.tree.map(lambda x: x.astype(jnp.float32), g))
+        return jax.tree.map(jnp.add, grads, g), metrics
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     grads, metrics_k = jax.lax.scan(micro, zeros, chunk_rows(data, flags.num_microbatches))
     return grads, losses.combine_metrics(metrics_k)
 
 
-def optimizer_update(state, data, hparams, *, flags, graphdef, tx, frozen=None):
+def optimizer_update(
+    state, data, hparams, *, flags, graphdef, tx, frozen=None, grad_shardings=None
+):
     """Step 4 for one minibatch: accumulate microbatch gradients, the optax update (or skip)."""
     grads, metrics = accumulate_gradients(
-        state.params, data, hparams, flags=flags, graphdef=graphdef, frozen=frozen
+        state.params,
+        data,
+        hparams,
+        flags=flags,
+        graphdef=graphdef,
+        frozen=frozen,
+        grad_shardings=grad_shardings,
     )
     grad_norm = optax.tree.norm(grads)
     opt_state = set_hyperparams(state.opt_state, hparams)
@@ -390,7 +408,9 @@ def optimizer_update(state, data, hparams, *, flags, graphdef, tx, frozen=None):
     return new_state, metrics
 
 
-def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx):
+def train_step(
+    state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx, grad_shardings=None
+):
     """One GRPO step on a rollout batch -> (new state, metrics)."""
     full_state = state._replace(params=with_frozen(state.params, frozen))
     data, metrics = prepare_batch(
@@ -399,7 +419,14 @@ def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphde
 
     def update(s, mb):
         return optimizer_update(
-            s, mb, hparams, flags=flags, graphdef=graphdef, tx=tx, frozen=frozen
+            s,
+            mb,
+            hparams,
+            flags=flags,
+            graphdef=graphdef,
+            tx=tx,
+            frozen=frozen,
+            grad_shardings=grad_shardings,
         )
 
     state, metrics_m = jax.lax.scan(update, state, chunk_rows(data, flags.num_minibatches))
@@ -409,9 +436,19 @@ def train_step(state, batch, hparams, ref_params, frozen=None, *, flags, graphde
 def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
     """jit(train_step) for these flags; donates the state; pins the output state shardings."""
 
+    grad_shardings = None if state_shardings is None else state_shardings.params
+
     def fn(state, batch, hparams, ref_params, frozen=None):
         return train_step(
-            state, batch, hparams, ref_params, frozen, flags=flags, graphdef=graphdef, tx=tx
+            state,
+            batch,
+            hparams,
+            ref_params,
+            frozen,
+            flags=flags,
+            graphdef=graphdef,
+            tx=tx,
+            grad_shardings=grad_shardings,
         )
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
@@ -461,6 +498,22 @@ def _reference_copy(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x.copy(), params)
 
 
+def constrained_graphdef(model: nnx.Module, activation_sharding):
+    """The graph def of `model` with its [b, t, d] activations pinned to the batch sharding.
+
+    Left to propagation, XLA resolved fsdp's conflict (rows and the embed axis of every weight
+    both split over `fsdp`) by gathering the ACTIVATIONS: every device then held whole
+    microbatches (the 1.5B inspect-step showed [32, 1088, 8960] buffers per device, 8x the
+    rows it owns). Pinned, it gathers the weights instead (FSDP). `model` itself is left
+    as it was (the sampler's graph stays unconstrained: its batches need not divide)."""
+    before = model.activation_sharding
+    model.activation_sharding = activation_sharding
+    try:
+        return nnx.graphdef(model)
+    finally:
+        model.activation_sharding = before
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepSetup:
     """What `build_step` builds. `state` is the initial state (donated by the first step)."""
@@ -507,16 +560,31 @@ class StepSetup:
         )
 
 
-def build_step(cfg: Config, model: nnx.Module, *, mesh=None) -> StepSetup:
+def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> StepSetup:
     """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
 
-    `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device."""
+    `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device. `trainable` is an nnx
+    filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
+    the others become `frozen` (placed with their shardings, in their stored dtype). None =
+    everything trains."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
-    graphdef, model_state = nnx.split(model)
-    p_shard = sharding.param_shardings(model_state, mesh, sharding.make_rules(cfg.mesh))
+    rules = sharding.make_rules(cfg.mesh)
+    frozen = None
+    if trainable is None:
+        graphdef, model_state = nnx.split(model)
+    else:
+        graphdef, model_state, frozen_state = nnx.split(model, trainable, ...)
+        f_shard = sharding.param_shardings(frozen_state, mesh, rules)
+        frozen = nnx.to_pure_dict(frozen_state)
+        if _is_abstract(frozen):
+            frozen = _with_shardings(frozen, f_shard)
+        else:
+            frozen = sharding.shard_params(frozen, f_shard)
+    p_shard = sharding.param_shardings(model_state, mesh, rules)
     params = nnx.to_pure_dict(model_state)
     abstract = _is_abstract(params)
+    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3))
     tx = make_optimizer(cfg)
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
@@ -547,7 +615,7 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None) -> StepSetup:
         shardings=shardings,
         state=state,
         ref_params=ref,
-        frozen=None,
+        frozen=frozen,
         hparams=make_hparams(cfg),
         step_fn=make_train_step(flags, graphdef, tx, shardings),
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import yaml
+from flax import nnx
 
 from jgrpo import sharding, step
 from jgrpo.checkpoint import Checkpointer
@@ -95,7 +96,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
 
     tokenizer = load_tokenizer(folder)
     engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
-    backend = make_backend(cfg, engine, built.graphdef, folder)
+    backend = make_backend(cfg, engine, nnx.graphdef(model), folder)
     return Trainer(
         cfg=cfg,
         mesh=built.mesh,

@@ -326,3 +326,27 @@ def test_seq_error_metrics_are_reported_before_and_after_the_threshold():
         for stat, fn_ in [("max", np.max), ("mean", np.mean), ("min", np.min)]:
             key = f"logprob/seq_error{part}_{stat}"
             np.testing.assert_allclose(float(metrics[key]), fn_(e[rows]), rtol=1e-5, err_msg=key)
+
+
+def test_frozen_split_trains_only_the_trainable_tree():
+    """build_step(trainable=...): the frozen tree joins every forward but never changes; the
+    first step's loss equals the unsplit model's (same forward)."""
+    cfg = load_config(None, [*BASE, "mesh.data=1"])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
+    losses_ = {}
+    for name, trainable in {"all": None, "layers": nnx.PathContains("layers")}.items():
+        model = Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.2)
+        built = step.build_step(cfg, model, mesh=mesh, trainable=trainable)
+        before = jax.tree.map(np.asarray, (built.state.params, built.frozen))
+        state, metrics = built.step_fn(built.state, batch, built.hparams, None, built.frozen)
+        losses_[name] = float(metrics["loss/total"])
+        if name == "layers":
+            assert set(state.params) == {"layers"}
+            assert set(built.frozen) == {"embed", "final_norm", "lm_head"}
+            jax.tree.map(np.testing.assert_array_equal, built.frozen, before[1])
+            moved = jax.tree.map(
+                lambda a, b: np.abs(np.asarray(a) - b).max(), state.params, before[0]
+            )
+            assert min(jax.tree.leaves(moved)) > 0
+    assert losses_["layers"] == pytest.approx(losses_["all"], abs=1e-6)

@@ -279,6 +279,9 @@ class Transformer(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, init_scale: float = 0.02):
         self.cfg = cfg
+        # where the trainer's [b, t, d] activations live: a jax Sharding, static in the graph
+        # def (None = wherever propagation puts them); set by jgrpo.step.constrained_graphdef
+        self.activation_sharding = None
         d, f, n, k, h, l, v = (
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -312,6 +315,11 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (d,), ("norm",), dt, None)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), dt, s)
+
+    def _constrain(self, x_btd):
+        if self.activation_sharding is None:
+            return x_btd
+        return jax.lax.with_sharding_constraint(x_btd, self.activation_sharding)
 
     def _layer_params(self):
         """The stacked layer parameters as stored (param_dtype)."""
@@ -369,13 +377,14 @@ class Transformer(nnx.Module):
 
         def layer(x_btd, p):
             p = cast_floats(p, cfg.jnp_dtype)
+            x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            return _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts)), None
+            return self._constrain(_layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts))), None
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
-        x_btd, _ = jax.lax.scan(layer, x_btd, self._layer_params())
+        x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), self._layer_params())
         return x_btd
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
@@ -409,6 +418,7 @@ class Transformer(nnx.Module):
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def chunk(xs):
             x_bcd, targets_bc = xs
+            x_bcd = self._constrain(x_bcd)
             logits_bcv = jnp.einsum(
                 "bcd,dv->bcv",
                 x_bcd,
