@@ -77,7 +77,9 @@ prompt_bucket 32/64) that is 2
 Determinism: the draw of token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so a
 row's draws do not depend on the other rows of its batch; for a fixed key, batch and
 parameters the output is identical across calls (and across meshes up to float reduction
-order: sharded and unsharded parameters give the same tokens in the tests).
+order: sharded and unsharded parameters give the same tokens in the tests). Both kernel paths
+draw the same Gumbel bits and break argmax ties alike, so a key gives the same tokens on either
+path up to float rounding of the logits (tested).
 """
 
 from __future__ import annotations

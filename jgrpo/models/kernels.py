@@ -12,8 +12,8 @@ vs the full forward, and sampler vs trainer logprobs.
       prefill                                                    cuDNN flash on CUDA (bf16/fp16,
                                                                  causal, t = s), XLA elsewhere
     KV cache layout        keys [b,k,h,s], values [b,k,s,h]      keys, values [b,s,k,h]
-    decode attention       two einsums on those layouts, exp     jax.nn.dot_product_attention
-                           weights normalised after the v dot    (XLA) over the cache prefix
+    decode attention       two einsums on those layouts          jax.nn.dot_product_attention
+                                                                 (XLA) over the cache prefix
     RoPE cos / sin         trace-time NumPy tables, gathered     computed at run time
     argmax                 max, then the min index at the max    jnp.argmax
     Gumbel noise           threefry-2x32 written out in jnp      jax.random.gumbel
@@ -28,7 +28,8 @@ jobs, `tools/bench_attention.py` and `tools/bench_sampler.py`; see the README fo
 on XLA:CPU `jax.nn.dot_product_attention` (its XLA implementation: the same two dots, with the
 scores in [b,n,t,s] order and the mask broadcast over heads) is slower than the einsum over
 [b,k,t,g,s] scores, which needs no transpose before the mask and softmax; the [b,s,k,h] cache
-makes the decode q . k dot 2.2x / 4.9x slower (tiny / SmolLM2 shapes) than keys [b,k,h,s];
+makes the decode q . k dot 2.2x / 4.9x slower (tiny / SmolLM2 shapes, measured when the CPU
+layout was chosen) than keys [b,k,h,s];
 JAX's threefry lowering runs as a 5-trip while loop (~3x slower than the written-out hash);
 jnp.argmax's variadic reduce is ~3x slower than max + min-index; and XLA:CPU re-evaluates
 cos/sin inside every fusion that uses them. None of these hold on GPU/TPU, where the portable
@@ -60,7 +61,7 @@ MASK_VALUE = -1e30  # finite: a fully masked (padding) query row gives a uniform
 
 
 def resolve_kernels(choice: str) -> KernelPath:
-    """ "auto" -> "cpu" on the CPU backend, "portable" elsewhere; "cpu" / "portable" as given."""
+    """Resolve a `kernels` value: auto -> cpu on the CPU backend, portable elsewhere."""
     if choice == "auto":
         return "cpu" if jax.default_backend() == "cpu" else "portable"
     if choice in ("cpu", "portable"):
@@ -153,7 +154,9 @@ def cache_slots(keys, path: KernelPath) -> int:
 def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: KernelPath):
     """Write one token's key/value at cache `slot` (dynamic_update_slice: in place in a loop
     carry), then attend its query over the first s = mask_bs.shape[1] slots where mask_bs
-    -> (out_b1nh in q's dtype, keys, values)."""
+    -> (out_b1nh in q's dtype, keys, values). Each path's math is its `attention`'s (float32
+    softmax, probabilities cast to the cache dtype before the value dot), so in bf16 the
+    sampler rounds as the trainer's forward does."""
     zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
     s = mask_bs.shape[1]
     if path == "portable":

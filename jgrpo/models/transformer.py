@@ -328,8 +328,8 @@ class Transformer(nnx.Module):
         """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
         `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after).
         Positions must be < t (as `cumsum(mask) - 1` of a padded batch is). `last_layer`: the
-        last layer's weights when the caller holds them (`layer_weights()[-1]`). Runs in the
-        compute dtype whatever dtype the parameters are stored in.
+        last layer's weights when the caller holds them (`layer_weights()[-1]`). The embedding
+        and layers run in the compute dtype whatever dtype the parameters are stored in.
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
