@@ -30,6 +30,16 @@ donation to arrange. The decode loop is split into segments of `attention_chunk`
 8 segments), each a while loop whose attention reads only the cache slots that can be filled by
 then (P + end of segment, rounded up to 16) instead of the whole cache.
 
+Precision and platforms: the sampler computes in the model's compute dtype (cfg.dtype; the
+embedding, final norm and LM head are cast once per call, the layer weights where they are
+taken, when the parameters are stored in another dtype, e.g. float32 master weights), keeps the
+KV cache in it, and returns float32 logits-derived values. Its kernels (Gumbel noise, argmax,
+attention, cache layout) follow `model.cfg.kernels` (`jgrpo.models.kernels`: the XLA:CPU-tuned
+path on CPU, jax.random / jnp / jax.nn.dot_product_attention on GPU/TPU). The core compiles
+with `kernels.COMPILER_OPTIONS` (bf16 rounded after every op as written): a train step
+compiled with the same options computes the same logprobs (bf16 token_mult_prob_error
+1.0000001 on the test model, 1.011 without).
+
 Token i of row b sits at cache slot P + i and position prompt_len_b + i (left padding: the
 prompt fills slots [P - prompt_len_b, P)); the trainer's forward over the left-padded prompt +
 completion with `positions = cumsum(mask) - 1` sees the same positions.
@@ -67,7 +77,9 @@ prompt_bucket 32/64) that is 2
 Determinism: the draw of token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so a
 row's draws do not depend on the other rows of its batch; for a fixed key, batch and
 parameters the output is identical across calls (and across meshes up to float reduction
-order: sharded and unsharded parameters give the same tokens in the tests).
+order: sharded and unsharded parameters give the same tokens in the tests). Both kernel paths
+draw the same Gumbel bits and break argmax ties alike, so a key gives the same tokens on either
+path up to float rounding of the logits (tested).
 """
 
 from __future__ import annotations
@@ -81,6 +93,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jgrpo.models import kernels
+from jgrpo.models.kernels import KernelPath, resolve_kernels
 from jgrpo.models.transformer import Transformer
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
@@ -226,77 +240,41 @@ def _nucleus_threshold(x_bv, top_p):
     return jnp.min(jnp.where(keep_bv, x_bv, jnp.inf), axis=-1, keepdims=True)
 
 
-def _argmax(x_bv):
-    """First index of the row maximum (jnp.argmax's ties; a plain reduce is ~3x faster on CPU)."""
-    iota_bv = jax.lax.broadcasted_iota(jnp.int32, x_bv.shape, 1)
-    at_max_bv = x_bv == jnp.max(x_bv, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(at_max_bv, iota_bv, x_bv.shape[-1]), axis=-1)
-
-
-def greedy_token(logits_bv):
+def greedy_token(logits_bv, path: KernelPath):
     """Greedy pick in float32 -> (token_b = first argmax, log_softmax(logits)[token_b]).
 
     The logprob is -log(sum(exp(logits - max))): log_softmax at the argmax, where
     `logits - max` is exactly 0 (bit-identical to indexing `jax.nn.log_softmax`)."""
     logits_bv = logits_bv.astype(jnp.float32)
-    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)  # shared with _argmax's by XLA's CSE
+    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)  # shared with the CPU argmax's (CSE)
     logprob_b = -jnp.log(jnp.sum(jnp.exp(logits_bv - max_b1), axis=-1))
-    return _argmax(logits_bv), logprob_b
+    return kernels.argmax(logits_bv, path), logprob_b
 
 
-def _threefry2x32(k1, k2, x1, x2):
-    """Threefry-2x32, 20 rounds (Salmon et al. 2011), as plain uint32 jnp ops: the hash behind
-    `jax.random`. JAX's own CPU lowering runs it as a 5-trip while loop (a dozen thunks per
-    trip); written out, XLA fuses it into one loop over the elements. Bit-identical (tested)."""
-    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-    ks = (k1, k2, k1 ^ k2 ^ np.uint32(0x1BD11BDA))
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for i in range(5):
-        for r in rotations[i % 2]:
-            x1 = x1 + x2
-            x2 = jax.lax.shift_left(x2, np.uint32(r)) | jax.lax.shift_right_logical(
-                x2, np.uint32(32 - r)
-            )
-            x2 = x1 ^ x2
-        x1 = x1 + ks[(i + 1) % 3]
-        x2 = x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
-    return x1, x2
-
-
-def gumbel_noise(keys_b, v: int):
-    """[b, v] float32 Gumbel noise, row b from keys_b[b]: the same bits as
-    `jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys_b)` (threefry keys, JAX's default
-    partitionable threefry and "low" Gumbel mode), computed ~3x faster on CPU."""
-    if str(jax.random.key_impl(keys_b)) != "threefry2x32":
-        raise ValueError(
-            f"sampling keys: need threefry2x32 keys, got {jax.random.key_impl(keys_b)}"
-        )
-    data_b2 = jax.random.key_data(keys_b)
-    counts_v = jax.lax.iota(np.uint32, v)  # the low word of JAX's 64-bit counter; high = 0
-    bits1_bv, bits2_bv = _threefry2x32(
-        data_b2[:, :1], data_b2[:, 1:], jnp.zeros_like(counts_v)[None], counts_v[None]
-    )
-    mantissa_bv = jax.lax.shift_right_logical(bits1_bv ^ bits2_bv, np.uint32(9))
-    one_bits = np.array(1.0, np.float32).view(np.uint32)
-    floats_bv = jax.lax.bitcast_convert_type(mantissa_bv | one_bits, jnp.float32) - 1.0
-    tiny = np.float32(np.finfo(np.float32).tiny)
-    uniform_bv = jnp.maximum(tiny, floats_bv * (np.float32(1.0) - tiny) + tiny)
-    return -jnp.log(-jnp.log(uniform_bv))
-
-
-def sample_token(logits_bv, keys_b, temperature, top_p, top_k: Optional[int], nucleus: bool = True):
+def sample_token(
+    logits_bv,
+    keys_b,
+    temperature,
+    top_p,
+    top_k: Optional[int],
+    nucleus: bool = True,
+    *,
+    path: KernelPath,
+):
     """Draw one token per row at temperature > 0 in float32
     -> (token_b, logprob_b, filtered_logprob_b).
 
     Gumbel-max over the filtered, temperature-scaled logits with one key per row (a row's draw
-    does not depend on which other rows share the batch). `nucleus=False` (static) promises
-    top_p == 1: with no top_k either, nothing is filtered and the two logprobs coincide.
+    does not depend on which other rows share the batch): `jax.random.categorical`'s draw,
+    with the platform's Gumbel and argmax kernels (`path`; the same bits on every path).
+    `nucleus=False` (static) promises top_p == 1: with no top_k either, nothing is filtered
+    and the two logprobs coincide.
     """
     scaled_bv = logits_bv.astype(jnp.float32) / temperature
     filtering = nucleus or top_k is not None
     filtered_bv = filter_logits(scaled_bv, top_p, top_k) if filtering else scaled_bv
-    noise_bv = gumbel_noise(keys_b, filtered_bv.shape[1])
-    token_b = _argmax(filtered_bv + noise_bv)
+    noise_bv = kernels.gumbel_noise(keys_b, filtered_bv.shape[1], path)
+    token_b = kernels.argmax(filtered_bv + noise_bv, path)
 
     def pick(logp_bv):
         return jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
@@ -332,6 +310,16 @@ def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, n)) for a in range(1, n, chunk)]
 
 
+def _in_compute_dtype(model: Transformer) -> Transformer:
+    """The model with its embedding, final norm and LM head in the compute dtype (cfg.dtype;
+    parameters may be stored in another, e.g. float32 master weights): cast once per call, so
+    the decode loop never converts weights per token. The layer weights are cast where the
+    sampler takes them (`layer_weights`, `prefill`). A no-op when the dtypes agree."""
+    dtype = model.cfg.jnp_dtype
+    graphdef, layers, rest = nnx.split(model, nnx.PathContains("layers"), ...)
+    return nnx.merge(graphdef, layers, jax.tree.map(lambda x: x.astype(dtype), rest))
+
+
 def _generate_padded(
     model: Transformer, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, row_ids_b, *, spec
 ):
@@ -345,6 +333,8 @@ def _generate_padded(
     positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=-1) - 1, 0)
     cache_len = _round_up(p + n - 1, _SLOT_ALIGN)  # slots past p + n - 2 are never written
     kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, cache_len - p), jnp.bool_)], -1)
+    path = resolve_kernels(model.cfg.kernels)
+    model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
     logits_bv, cache = model.prefill(
         prompt_ids_bp, positions_bp, prompt_mask_bp, cache_len, last_layer=layers[-1]
@@ -353,7 +343,7 @@ def _generate_padded(
     if spec.greedy:
 
         def draw(i, logits_bv):
-            token_b, lp_b = greedy_token(logits_bv)
+            token_b, lp_b = greedy_token(logits_bv, path)
             return token_b, lp_b, jnp.zeros_like(lp_b)
     else:
         temperature = jnp.asarray(temperature, jnp.float32)
@@ -364,7 +354,9 @@ def _generate_padded(
 
         def draw(i, logits_bv):
             keys_b = step_keys_nb[i]
-            return sample_token(logits_bv, keys_b, temperature, top_p, spec.top_k, spec.nucleus)
+            return sample_token(
+                logits_bv, keys_b, temperature, top_p, spec.top_k, spec.nucleus, path=path
+            )
 
     def emit(i, logits_bv, carry):
         """Draw token i from logits_bv and record it (rows already done emit pad)."""
@@ -424,7 +416,9 @@ def _generate_padded(
     )
 
 
-generate_padded = jax.jit(_generate_padded, static_argnames="spec")
+generate_padded = jax.jit(
+    _generate_padded, static_argnames="spec", compiler_options=kernels.COMPILER_OPTIONS
+)
 """The jitted core on padded arrays: prompt_ids_bp [B, P] left-padded int32, prompt_lengths_b
 [B]; temperature / top_p scalars (traced). Returns device arrays (see `Generation`)."""
 

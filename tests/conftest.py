@@ -45,6 +45,18 @@ def rollout_batch():
     return make_rollout_batch(0)
 
 
+def with_kernels(model, kernels):
+    """The same parameters (shared arrays) as `model` with `cfg.kernels` set: "cpu" or
+    "portable" (jgrpo.models.kernels), so the GPU/TPU code path runs on CPU too."""
+    import dataclasses
+
+    from flax import nnx
+
+    out = nnx.merge(*nnx.split(model))
+    out.cfg = dataclasses.replace(out.cfg, kernels=kernels)
+    return out
+
+
 def make_random_hf_model(hf_config, seed=0):
     """A transformers model with random weights large enough that logits are O(1).
 

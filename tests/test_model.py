@@ -1,4 +1,5 @@
-"""The model vs transformers' PyTorch forward (float32, 1e-4 max abs); HF folders in/out."""
+"""The model vs transformers' PyTorch forward (float32, 1e-4 max abs) on both kernel paths
+(cpu and portable, see jgrpo.models.kernels); HF folders in/out."""
 
 import json
 
@@ -8,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_random_hf_model
+from conftest import make_random_hf_model, with_kernels
 
 from jgrpo.models import ModelFormatError, from_pretrained, save_pretrained
 
 TOL = 1e-4
+KERNELS = ["cpu", "portable"]
 
 BASE = dict(
     hidden_size=64,
@@ -77,9 +79,10 @@ def hf_logits(model, ids, mask=None, positions=None):
         return model(torch.tensor(ids), **kwargs).logits.numpy()
 
 
-def test_logits_match_transformers(hf_pair):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_logits_match_transformers(hf_pair, kernels):
     name, hf_model, folder = hf_pair
-    model = from_pretrained(folder)
+    model = with_kernels(from_pretrained(folder), kernels)
     seq = 40 if name == "llama3_rope_scaling" else 12  # past the original 16-token context
     ids = np.random.RandomState(1).randint(0, 128, (3, seq))
     ref = hf_logits(hf_model, ids)
@@ -89,9 +92,10 @@ def test_logits_match_transformers(hf_pair):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
-def test_padded_batch_matches_transformers(hf_pair):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_padded_batch_matches_transformers(hf_pair, kernels):
     _, hf_model, folder = hf_pair
-    model = from_pretrained(folder)
+    model = with_kernels(from_pretrained(folder), kernels)
     rng = np.random.RandomState(2)
     ids = rng.randint(0, 128, (3, 10))
     mask = np.ones((3, 10), np.int64)
@@ -108,11 +112,12 @@ def test_padded_batch_matches_transformers(hf_pair):
     np.testing.assert_allclose(np.asarray(explicit)[valid], ref[valid], atol=TOL, rtol=0)
 
 
-def test_cached_decode_matches_full_forward(hf_pair):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_cached_decode_matches_full_forward(hf_pair, kernels):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward,
     both attending over the whole cache and over a prefix of it (attend_len)."""
     _, _, folder = hf_pair
-    model = from_pretrained(folder)
+    model = with_kernels(from_pretrained(folder), kernels)
     rng = np.random.RandomState(3)
     prompt_len, total = 6, 10
     ids = rng.randint(0, 128, (2, total))
@@ -129,7 +134,11 @@ def test_cached_decode_matches_full_forward(hf_pair):
     )
     assert len(cache.keys) == model.cfg.num_layers
     k, h = model.cfg.num_kv_heads, model.cfg.head_dim
-    assert cache.keys[0].shape == (2, k, h, total) and cache.values[0].shape == (2, k, total, h)
+    if kernels == "cpu":
+        assert cache.keys[0].shape == (2, k, h, total)
+        assert cache.values[0].shape == (2, k, total, h)
+    else:
+        assert cache.keys[0].shape == cache.values[0].shape == (2, total, k, h)
     np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
     layers = model.layer_weights()
     step = jax.jit(model.decode_step, static_argnums=6)

@@ -1,5 +1,7 @@
-"""The sampler: greedy parity with transformers' generate, trainer-forward logprob parity,
-filtering, stopping, early exit, determinism, compile count and sharded parameters."""
+"""The sampler: greedy parity with transformers' generate, trainer-forward logprob parity
+(float32 and bfloat16), filtering, stopping, early exit, determinism, compile count and sharded
+parameters. Parity and determinism run on both kernel paths (cpu and portable, see
+jgrpo.models.kernels): the GPU/TPU code is tested here on CPU too."""
 
 import dataclasses
 
@@ -9,21 +11,22 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import make_random_hf_model
+from conftest import make_random_hf_model, with_kernels
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jgrpo.config import RolloutConfig
-from jgrpo.models import from_pretrained
+from jgrpo.losses import token_logprobs as trainer_token_logprobs
+from jgrpo.models import from_pretrained, kernels
 from jgrpo.sampling import (
     SamplingParams,
     compile_count,
     filter_logits,
     generate,
-    gumbel_noise,
 )
 
 VOCAB, PAD, EOS = 128, 0, 1
+KERNELS = ["cpu", "portable"]
 
 
 def make_hf_model(seed=0):
@@ -51,6 +54,13 @@ def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny_qwen2")
     hf_model.save_pretrained(folder)
     return hf_model, from_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=KERNELS)
+def path_pair(request, pair):
+    """(hf_model, model on the kernel path `request.param`), sharing pair's parameters."""
+    hf_model, model = pair
+    return hf_model, with_kernels(model, request.param)
 
 
 def make_prompts(lengths, seed=0):
@@ -111,8 +121,8 @@ def hf_greedy(hf_model, prompts, n, eos_ids):
     return tokens, logits
 
 
-def test_greedy_matches_transformers_generate(pair):
-    hf_model, model = pair
+def test_greedy_matches_transformers_generate(path_pair):
+    hf_model, model = path_pair
     prompts, n = make_prompts(LENGTHS), 24
     free = generate(
         model,
@@ -149,8 +159,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_trainer_forward_reproduces_generation_logprobs(pair, case):
-    _, model = pair
+def test_trainer_forward_reproduces_generation_logprobs(path_pair, case):
+    _, model = path_pair
     kw = CASES[case]
     params = SamplingParams(max_new_tokens=16, prompt_bucket=8, **kw)
     gen = generate(model, make_prompts(LENGTHS, seed=1), params, jax.random.key(7))
@@ -178,6 +188,53 @@ def test_trainer_forward_reproduces_generation_logprobs(pair, case):
         assert ranks[mask].max() < kw["top_k"]
 
 
+def bfloat16_models(model, kernels_path):
+    """(sampler, trainer) computing in bfloat16: the sampler keeps model's float32 parameters
+    (master weights, cast as the sampler takes them), the trainer holds their bfloat16 casts
+    (what a mixed-precision training forward computes with)."""
+    sampler = with_kernels(model, kernels_path)
+    sampler.cfg = dataclasses.replace(sampler.cfg, dtype="bfloat16")
+    graphdef, state = nnx.split(sampler)
+    return sampler, nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
+
+
+@pytest.mark.parametrize("kernels_path", KERNELS)
+def test_bfloat16_generation_logprobs_match_trainer_forward(pair, kernels_path):
+    """bf16 compute (float32 parameters): the sampler's logprobs vs the training forward's
+    (Transformer.__call__ + losses.token_logprobs over the left-padded prompt + completion)."""
+    _, model = pair
+    sampler, trainer = bfloat16_models(model, kernels_path)
+    assert jax.tree.leaves(nnx.state(sampler))[0].dtype == jnp.float32
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, prompt_bucket=8)
+    gen = generate(sampler, make_prompts(LENGTHS, seed=1), params, jax.random.key(7))
+
+    p = gen.prompt_tokens.shape[1]
+    prompt_mask = np.arange(p)[None] >= p - gen.prompt_lengths[:, None]
+    completion_mask = np.arange(gen.tokens.shape[1])[None] < gen.lengths[:, None]
+    ids = jnp.asarray(np.concatenate([gen.prompt_tokens, gen.tokens], axis=1))
+    mask = jnp.asarray(np.concatenate([prompt_mask, completion_mask], axis=1))
+    # jitted as the train step is, with the model's XLA options (kernels.COMPILER_OPTIONS)
+    forward = jax.jit(
+        lambda m, ids, mask: m(ids, attention_mask_bt=mask),  # positions cumsum(mask) - 1
+        compiler_options=kernels.COMPILER_OPTIONS,
+    )
+    logits = forward(trainer, ids, mask)
+    assert logits.dtype == jnp.float32
+    lo = np.asarray(trainer_token_logprobs(logits, ids, 1.0))[:, p:]
+    err = token_mult_prob_error(gen.logprobs, lo, completion_mask)
+    # measured 1.0000001 on both paths (max |lg - lo| 5e-7): the sampler and the forward run
+    # the same bf16 ops, each rounded as written; what is left is float32 log-softmax rounding.
+    # The float32 bound and tolerance of the test above hold.
+    assert err <= 1.001, err
+    np.testing.assert_allclose(gen.logprobs[completion_mask], lo[completion_mask], atol=1e-4)
+    # not trivially 1: bf16 compute is in effect (vs the float32 forward: 1.015 measured)
+    lo32 = np.asarray(trainer_token_logprobs(model(ids, attention_mask_bt=mask), ids, 1.0))
+    assert token_mult_prob_error(gen.logprobs, lo32[:, p:], completion_mask) > 1.005
+
+    _, cache = sampler.prefill(ids[:, :p], jnp.zeros((len(ids), p), jnp.int32), mask[:, :p], p)
+    assert {x.dtype for x in cache.keys + cache.values} == {jnp.dtype(jnp.bfloat16)}
+
+
 def reference_filter(x, top_p, top_k):
     """NumPy float64 top-k then top-p (kept = shortest prefix reaching top_p), -inf elsewhere."""
     x = np.asarray(x, np.float64).copy()
@@ -197,15 +254,41 @@ def reference_filter(x, top_p, top_k):
     return x
 
 
+@pytest.mark.parametrize("path", KERNELS)
 @pytest.mark.parametrize("v", [1, 7, 100, 4099])
-def test_gumbel_noise_is_jax_random_gumbel(v):
-    """The sampler's written-out threefry gives jax.random.gumbel's bits exactly, per row key."""
+def test_gumbel_noise_is_jax_random_gumbel(v, path):
+    """Both paths' noise (the CPU one a written-out threefry) is jax.random.gumbel's bits
+    exactly, per row key."""
     keys = jax.random.split(jax.random.key(1234), 6)
     ref = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-    out = jax.jit(gumbel_noise, static_argnums=1)(keys, v)
+    out = jax.jit(kernels.gumbel_noise, static_argnums=(1, 2))(keys, v, path)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-    with pytest.raises(ValueError, match="threefry2x32"):
-        gumbel_noise(jax.random.split(jax.random.key(0, impl="rbg"), 2), v)
+    if path == "cpu":
+        with pytest.raises(ValueError, match="threefry2x32"):
+            kernels.gumbel_noise(jax.random.split(jax.random.key(0, impl="rbg"), 2), v, path)
+
+
+@pytest.mark.parametrize("path", KERNELS)
+def test_argmax_takes_the_first_maximum(path):
+    x = np.round(np.random.RandomState(0).normal(0, 1, (64, 37))).astype(np.float32)
+    x[3] = 2.0  # a row of ties
+    out = np.asarray(jax.jit(kernels.argmax, static_argnums=1)(jnp.asarray(x), path))
+    np.testing.assert_array_equal(out, np.argmax(x, axis=-1))
+    assert out.dtype == np.int32
+
+
+def test_kernel_paths_draw_the_same_tokens(pair):
+    """Same key, same tokens on both paths (same Gumbel bits and argmax ties; the logits
+    differ by float rounding only)."""
+    _, model = pair
+    prompts = make_prompts(LENGTHS, seed=5)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, prompt_bucket=8)
+    cpu = generate(with_kernels(model, "cpu"), prompts, params, jax.random.key(4))
+    portable = generate(with_kernels(model, "portable"), prompts, params, jax.random.key(4))
+    np.testing.assert_array_equal(portable.tokens, cpu.tokens)
+    np.testing.assert_allclose(portable.logprobs, cpu.logprobs, atol=1e-5)
+    with pytest.raises(ValueError, match="kernels"):
+        generate(with_kernels(model, "gpu"), prompts, params, jax.random.key(4))
 
 
 @pytest.mark.parametrize("ties", [False, True])
@@ -247,8 +330,8 @@ def test_top_k_1_is_greedy(pair):
 # ----------------------------------------------------------------------------- control flow
 
 
-def test_deterministic_for_a_key_and_keys_differ(pair):
-    _, model = pair
+def test_deterministic_for_a_key_and_keys_differ(path_pair):
+    _, model = path_pair
     prompts, params = make_prompts(LENGTHS), SamplingParams(max_new_tokens=12, prompt_bucket=8)
     a = generate(model, prompts, params, jax.random.key(1))
     b = generate(model, prompts, params, jax.random.key(1))
@@ -377,9 +460,11 @@ def shard_state(state, mesh):
     return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sharded_params_give_the_same_tokens(pair, temperature):
-    _, model = pair
+@pytest.mark.parametrize(
+    "temperature,kernels_path", [(0.0, "cpu"), (1.0, "cpu"), (1.0, "portable")]
+)
+def test_sharded_params_give_the_same_tokens(pair, temperature, kernels_path):
+    model = with_kernels(pair[1], kernels_path)
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
     graphdef, state = nnx.split(model)
     sharded = shard_state(state, mesh)

@@ -19,11 +19,13 @@ when `jgrpo.models.sources.resolve_model_path("smollm2")` is available.
 
     python tools/bench_sampler.py            # A (7 rounds) and B (2 rounds)
     python tools/bench_sampler.py --quick    # A only, 3 rounds
+    python tools/bench_sampler.py --kernels portable   # the GPU/TPU kernel path (on any backend)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -35,6 +37,7 @@ import torch
 import transformers
 
 from jgrpo.models import from_pretrained
+from jgrpo.models.kernels import KERNEL_CHOICES, resolve_kernels
 from jgrpo.sampling import SamplingParams, generate
 
 THREADS = len(os.sched_getaffinity(0))
@@ -87,10 +90,13 @@ def timed_round_robin(fns, rounds, block, warm):
     return {name: (first[name], statistics.median(times[name]), out[name]) for name in fns}
 
 
-def bench(name, folder, batch, prompt_len, new_tokens, rounds, temperature, vocab_hi, block, warm):
+def bench(
+    name, folder, batch, prompt_len, new_tokens, rounds, temperature, vocab_hi, block, warm, kernels
+):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(2, vocab_hi, prompt_len).tolist() for _ in range(batch)]
     model = from_pretrained(folder)
+    model.cfg = dataclasses.replace(model.cfg, kernels=kernels)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     key = jax.random.key(0)  # an input like the prompts: made once
@@ -144,7 +150,8 @@ def bench(name, folder, batch, prompt_len, new_tokens, rounds, temperature, voca
     mode = "greedy" if temperature == 0 else f"sampling T={temperature}"
     print(
         f"\n== {name}: {batch} rows x {prompt_len}-token prompts, {new_tokens} new tokens, "
-        f"{mode}; jax {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+        f"{mode}; jax {jax.default_backend()} ({jax.devices()[0].device_kind}, kernels "
+        f"{resolve_kernels(kernels)}), "
         f"torch cpu {torch.get_num_threads()} threads"
     )
     print(f"{'':28s}{'jgrpo':>14s}{'transformers':>14s}{'ratio':>10s}")
@@ -171,15 +178,19 @@ def main(argv=None):
     parser.add_argument("--config", choices=["A", "B", "all"], default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument(
+        "--kernels", choices=KERNEL_CHOICES, default="auto", help="jgrpo.models.kernels path"
+    )
     args = parser.parse_args(argv)
     config = args.config or ("A" if args.quick else "all")
     rounds = args.rounds or (3 if args.quick else 7)
     torch.set_num_threads(THREADS)
+    kernels = args.kernels
 
     if config in ("A", "all"):
         with tempfile.TemporaryDirectory() as folder:
             tiny_hf_model(folder)
-            bench("A tiny qwen2", folder, 16, 32, 32, rounds, args.temperature, 100, 10, 3)
+            bench("A tiny qwen2", folder, 16, 32, 32, rounds, args.temperature, 100, 10, 3, kernels)
     if config in ("B", "all"):
         try:
             from jgrpo.models.sources import resolve_model_path
@@ -189,7 +200,7 @@ def main(argv=None):
             print(f"\n== B SmolLM2-135M: skipped ({type(e).__name__}: {e})")
             return
         rounds_b = max(1, rounds // 3)
-        bench("B SmolLM2-135M", folder, 16, 32, 64, rounds_b, args.temperature, 5000, 2, 1)
+        bench("B SmolLM2-135M", folder, 16, 32, 64, rounds_b, args.temperature, 5000, 2, 1, kernels)
 
 
 if __name__ == "__main__":

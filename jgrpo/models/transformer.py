@@ -9,6 +9,12 @@ Precision: parameters are stored in `cfg.param_dtype` and cast to the compute dt
 `cfg.dtype` at use (per layer inside the layer scan), so float32 master weights with bfloat16
 compute (mixed precision) and pure bfloat16 both work; logits and logprobs are float32.
 
+Platform-specific kernels (attention, the KV cache layout, RoPE tables) sit behind one switch,
+`cfg.kernels`, in `jgrpo.models.kernels`: XLA:CPU-tuned code on CPU, jax.nn.dot_product_attention
+(cuDNN flash on CUDA) and plain layouts on GPU/TPU. `prefill`, `decode_step` and
+`layer_weights` run in the compute dtype `cfg.dtype` whatever dtype the parameters are stored
+in, and keep the KV cache in it.
+
 Layers are stored stacked along a leading `layers` axis and run with `lax.scan`, so a 30-layer
 model compiles as fast as a 2-layer one. Every parameter carries logical axis names in its
 `logical_axes` metadata; `jgrpo.sharding` maps them to mesh axes. The single-token decode step
@@ -48,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-_MASK_VALUE = -1e30  # finite: a fully masked (padding) query row gives a uniform softmax, not NaN
+from jgrpo.models import kernels as _kernels
+from jgrpo.models.kernels import resolve_kernels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +100,9 @@ class TransformerConfig:
     (`REMAT_POLICIES`)."""
     logprob_chunk_size: int = 128
     """Tokens along T per chunk of `token_logprobs`' LM head + log-softmax (0 = one chunk)."""
+    kernels: str = "auto"
+    """Platform kernels (`jgrpo.models.kernels`): auto (cpu on the CPU backend, else
+    portable) | cpu | portable."""
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: Optional[int] = None
@@ -123,15 +133,14 @@ def cast_floats(tree, dtype):
 
 class KVCache(NamedTuple):
     """One keys and one values array per layer (separate buffers, so a decode step updates and
-    reads each layer's cache in place). Layouts are the decode step's attention dots' natural
-    operands: keys [b, k, h, s] (q . k contracts h over contiguous slots), values [b, k, s, h]
-    (on XLA:CPU the q . k dot over [b, s, k, h] keys measured 2.2x / 4.9x slower on the tiny /
-    SmolLM2 shapes)."""
+    reads each layer's cache in place), in the compute dtype. The layout is the kernel path's
+    (`jgrpo.models.kernels`): cpu keys [b, k, h, s] (q . k contracts h over contiguous slots)
+    and values [b, k, s, h]; portable keys and values [b, s, k, h]."""
 
     keys: tuple[jax.Array, ...]
-    """[b, k, h, s] per layer."""
+    """Per layer: [b, k, h, s] (cpu kernels) or [b, s, k, h] (portable)."""
     values: tuple[jax.Array, ...]
-    """[b, k, s, h] per layer."""
+    """Per layer: [b, k, s, h] (cpu kernels) or [b, s, k, h] (portable)."""
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -166,21 +175,11 @@ def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
 def rope_tables(cfg: TransformerConfig, positions_bt, num_positions: Optional[int] = None):
     """(cos, sin) [b, t, 1, h/2] in float32 for `apply_rope` (HF's tables repeat these for the
     two halves of head_dim), of the float32 angle `position * inv_freq` as transformers forms it.
-
-    With `num_positions` (every position < it), they are looked up in tables computed in NumPy
-    at trace time (float64 cos/sin rounded once): compile-time constants that cost nothing at
-    run time, where XLA:CPU otherwise re-evaluates cos/sin inside every fusion that uses them,
-    once per head (a quarter of the tiny benchmark's prefill). Without it, computed at run
-    time."""
-    inv_freq_h2 = rope_inv_freq(cfg)
-    if num_positions is None:
-        angle_bth2 = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_h2)
-        return jnp.cos(angle_bth2)[:, :, None, :], jnp.sin(angle_bth2)[:, :, None, :]
-    angle_ph2 = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq_h2[None]
-    angle_ph2 = angle_ph2.astype(np.float64)
-    cos_ph2 = jnp.asarray(np.cos(angle_ph2).astype(np.float32))
-    sin_ph2 = jnp.asarray(np.sin(angle_ph2).astype(np.float32))
-    return cos_ph2[positions_bt][:, :, None, :], sin_ph2[positions_bt][:, :, None, :]
+    `num_positions` (every position < it, when known) lets the CPU kernels look them up in
+    trace-time tables (`kernels.rope_cos_sin`)."""
+    path = resolve_kernels(cfg.kernels)
+    cos, sin = _kernels.rope_cos_sin(rope_inv_freq(cfg), positions_bt, num_positions, path)
+    return cos[:, :, None, :], sin[:, :, None, :]
 
 
 def apply_rope(x_btnh, cos, sin):
@@ -192,20 +191,15 @@ def apply_rope(x_btnh, cos, sin):
     return out.astype(x_btnh.dtype)
 
 
-def attention(q_btnh, k_bskh, v_bskh, mask_bts):
-    """Grouped-query softmax attention; scores and softmax in float32."""
-    b, t, n, h = q_btnh.shape
-    k = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-    # [b, k, t, g, s]: the dot's natural output order (batch, lhs free, rhs free), so no
-    # transpose needs materialising before the mask and softmax
-    scores_bktgs = jnp.einsum(
-        "btkgh,bskh->bktgs", q_btkgh, k_bskh, preferred_element_type=jnp.float32
-    ) / np.float32(math.sqrt(h))
-    scores_bktgs = jnp.where(mask_bts[:, None, :, None], scores_bktgs, _MASK_VALUE)
-    probs_bktgs = jax.nn.softmax(scores_bktgs, axis=-1).astype(v_bskh.dtype)
-    out_btkgh = jnp.einsum("bktgs,bskh->btkgh", probs_bktgs, v_bskh)
-    return out_btkgh.reshape(b, t, n, h)
+def attention(q_btnh, k_bskh, v_bskh, mask_bts, kernels: str = "auto", causal: bool = False):
+    """Grouped-query softmax attention (mask_bts: True = attend); scores and softmax in
+    float32. `kernels` picks the platform kernel (`cfg.kernels`; see `jgrpo.models.kernels`:
+    the CPU einsum, or jax.nn.dot_product_attention); `causal` promises mask_bts includes the
+    causal mask of aligned positions (a hint for cuDNN's flash kernel, never a change of the
+    result)."""
+    return _kernels.attention(
+        q_btnh, k_bskh, v_bskh, mask_bts, resolve_kernels(kernels), causal=causal
+    )
 
 
 def _dense(x, w, b=None):
@@ -217,8 +211,9 @@ def _fuse_layer_params(stacked, i: int, cfg):
     """Layer i of the stacked params in inference layout, as its own arrays: q|k|v and gate|up
     concatenated on the output axis (one dot each instead of three and two), o flattened to
     [n * h, d] (a single contracting axis: with two, XLA:CPU transposed both operands of every
-    decode step's o dot). Each array is one slice-and-concatenate of the stacked params."""
-    p = {name: w[i] for name, w in stacked.items()}
+    decode step's o dot), in the compute dtype (parameters may be stored in another). Each array
+    is one slice-and-concatenate of the stacked params."""
+    p = {name: w[i].astype(cfg.jnp_dtype) for name, w in stacked.items()}
     d = p["q"].shape[0]
     p["o"] = p["o"].reshape(-1, d)
     p["qkv"] = jnp.concatenate([p.pop(name).reshape(d, -1) for name in "qkv"], axis=-1)
@@ -379,7 +374,8 @@ class Transformer(nnx.Module):
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            return self._constrain(_layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts))), None
+            attn_btnh = attention(q, k, v, mask_bts, cfg.kernels, causal=True)
+            return self._constrain(_layer_out(p, cfg, x_btd, attn_btnh)), None
 
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -439,13 +435,15 @@ class Transformer(nnx.Module):
         """Forward a (left-padded) prompt batch -> (logits_bv of its last position, KVCache of
         `cache_len` slots holding every layer's keys/values in slots [0, t), zeros after).
         Positions must be < t (as `cumsum(mask) - 1` of a padded batch is). `last_layer`: the
-        last layer's weights when the caller holds them (`layer_weights()[-1]`).
+        last layer's weights when the caller holds them (`layer_weights()[-1]`). The embedding
+        and layers run in the compute dtype whatever dtype the parameters are stored in.
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
         the last position only (~15% of the tiny benchmark's prefill).
         """
-        cfg = self.cfg
+        cfg, dtype = self.cfg, self.cfg.jnp_dtype
+        path = resolve_kernels(cfg.kernels)
         stacked = self._layer_params()
         t = input_ids_bt.shape[1]
         mask_bts, rope = self._attention_inputs(
@@ -453,28 +451,26 @@ class Transformer(nnx.Module):
         )
 
         def layer(x_btd, i):
-            p = {name: w[i] for name, w in stacked.items()}  # the slice scan's xs would take
+            # the slice scan's xs would take, in the compute dtype
+            p = {name: w[i].astype(dtype) for name, w in stacked.items()}
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            return _layer_out(p, cfg, x_btd, attention(q, k, v, mask_bts)), (k, v)
+            attn_btnh = _kernels.attention(q, k, v, mask_bts, path, causal=True)
+            return _layer_out(p, cfg, x_btd, attn_btnh), (k, v)
 
-        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0)
+        x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(dtype)
         layer_ids = jnp.arange(cfg.num_layers - 1)
         x_btd, (k_lbtkh, v_lbtkh) = jax.lax.scan(layer, x_btd, layer_ids)
         p = last_layer if last_layer is not None else _fuse_layer_params(stacked, -1, cfg)
         q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-        attn_b1nh = attention(q[:, -1:], k, v, mask_bts[:, -1:])
+        attn_b1nh = _kernels.attention(q[:, -1:], k, v, mask_bts[:, -1:], path)
         x_b1d = _layer_out(p, cfg, x_btd[:, -1:], attn_b1nh)
 
-        def to_cache(kv_l, kv_last, axes, slot_axis):
-            kv_l = jnp.concatenate([kv_l, kv_last[None]])
-            kv_l = jnp.transpose(kv_l, axes).astype(cfg.jnp_dtype)
-            pad = [(0, 0)] * kv_l.ndim
-            pad[slot_axis] = (0, cache_len - t)
-            return tuple(jnp.pad(kv_l, pad)[i] for i in range(cfg.num_layers))
+        def to_cache(kv_lbtkh, kv_btkh, values):
+            kv_lbtkh = jnp.concatenate([kv_lbtkh, kv_btkh[None]])
+            return _kernels.cache_from_prefill(kv_lbtkh, cache_len, dtype, path, values=values)
 
-        keys = to_cache(k_lbtkh, k, (0, 1, 3, 4, 2), 4)  # -> [l, b, k, h, s]
-        values = to_cache(v_lbtkh, v, (0, 1, 3, 2, 4), 3)  # -> [l, b, k, s, h]
-        return self._logits(x_b1d)[:, 0], KVCache(keys, values)
+        cache = KVCache(to_cache(k_lbtkh, k, False), to_cache(v_lbtkh, v, True))
+        return self._logits(x_b1d)[:, 0], cache
 
     def decode_step(
         self,
@@ -488,47 +484,30 @@ class Transformer(nnx.Module):
     ):
         """Forward one token per row against the cache -> (logits_bv, updated cache).
 
-        `layers` is `self.layer_weights()`; the layers run unrolled, each writing its
-        new key/value at cache `slot` with one `dynamic_update_slice` (in place in a loop
-        carry). Positions must be < the number of cache slots (a token's slot bounds it).
-        `attend_len` (static) limits attention to cache slots [0, attend_len): the caller
-        promises no slot past it is wanted yet (the sampler decodes in segments so early tokens
-        do not pay for the whole cache).
+        `layers` is `self.layer_weights()` (in the compute dtype); the layers run unrolled,
+        each writing its new key/value at cache `slot` with one `dynamic_update_slice` (in
+        place in a loop carry). Positions must be < the number of cache slots (a token's slot
+        bounds it). `attend_len` (static) limits attention to cache slots [0, attend_len): the
+        caller promises no slot past it is wanted yet (the sampler decodes in segments so early
+        tokens do not pay for the whole cache).
         """
         cfg = self.cfg
-        b = token_b.shape[0]
-        k_heads, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-        s = cache.keys[0].shape[3] if attend_len is None else attend_len
+        path = resolve_kernels(cfg.kernels)
+        num_slots = _kernels.cache_slots(cache.keys[0], path)
+        s = num_slots if attend_len is None else attend_len
         mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot)
         rope = rope_tables(cfg, positions_b[:, None], num_positions=kv_mask_bs.shape[1])
-        sqrt_h = np.float32(math.sqrt(cfg.head_dim))
-        zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
 
         # sampled ids are in range by construction; "clip" skips the out-of-range fill select
         x_b1d = jnp.take(self.embed[...], token_b[:, None], axis=0, mode="clip")
+        x_b1d = x_b1d.astype(cfg.jnp_dtype)
         keys, values = [], []
-        for p, k_bkhs, v_bksh in zip(layers, cache.keys, cache.values):
+        for p, k_cache, v_cache in zip(layers, cache.keys, cache.values):
             q_b1nh, k_b1kh, v_b1kh = _layer_qkv(p, cfg, x_b1d, rope)
-            k_bkh1 = jnp.transpose(k_b1kh, (0, 2, 3, 1)).astype(k_bkhs.dtype)
-            k_bkhs = jax.lax.dynamic_update_slice(k_bkhs, k_bkh1, (zero, zero, zero, slot))
-            v_bk1h = jnp.swapaxes(v_b1kh, 1, 2).astype(v_bksh.dtype)
-            v_bksh = jax.lax.dynamic_update_slice(v_bksh, v_bk1h, (zero, zero, slot, zero))
-            keys.append(k_bkhs)
-            values.append(v_bksh)
-            q_bkgh = q_b1nh.reshape(b, k_heads, g, cfg.head_dim)
-            scores_bkgs = jnp.einsum(
-                "bkgh,bkhs->bkgs", q_bkgh, k_bkhs[..., :s], preferred_element_type=jnp.float32
+            out_b1nh, k_cache, v_cache = _kernels.decode_attention(
+                q_b1nh, k_b1kh, v_b1kh, k_cache, v_cache, slot, mask_bs, path
             )
-            scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, _MASK_VALUE)
-            exp_bkgs = jnp.exp(scores_bkgs - jnp.max(scores_bkgs, axis=-1, keepdims=True))
-            # values weighted by the unnormalised exp, normalised after the dot (float32)
-            out_bkgh = jnp.einsum(
-                "bkgs,bksh->bkgh",
-                exp_bkgs.astype(v_bksh.dtype),
-                v_bksh[:, :, :s],
-                preferred_element_type=jnp.float32,
-            )
-            out_bkgh = out_bkgh / jnp.sum(exp_bkgs, axis=-1, keepdims=True)
-            out_b1nh = out_bkgh.astype(v_bksh.dtype).reshape(b, 1, cfg.num_heads, -1)
+            keys.append(k_cache)
+            values.append(v_cache)
             x_b1d = _layer_out(p, cfg, x_b1d, out_b1nh)
         return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
