@@ -23,17 +23,21 @@ bit-identical on both (same key -> same noise; tested against `jax.random.gumbel
 argmaxes return the first index of the maximum, so a key draws the same tokens on both paths
 whenever their logits agree.
 
-Why the CPU path keeps its own kernels (medians, this repo's 2-core machine shared with other
-jobs, `tools/bench_attention.py` and `tools/bench_sampler.py`; see the README for the runs):
-on XLA:CPU `jax.nn.dot_product_attention` (its XLA implementation: the same two dots, with the
-scores in [b,n,t,s] order and the mask broadcast over heads) is slower than the einsum over
-[b,k,t,g,s] scores, which needs no transpose before the mask and softmax; the [b,s,k,h] cache
-makes the decode q . k dot 2.2x / 4.9x slower (tiny / SmolLM2 shapes, measured when the CPU
-layout was chosen) than keys [b,k,h,s];
-JAX's threefry lowering runs as a 5-trip while loop (~3x slower than the written-out hash);
-jnp.argmax's variadic reduce is ~3x slower than max + min-index; and XLA:CPU re-evaluates
-cos/sin inside every fusion that uses them. None of these hold on GPU/TPU, where the portable
-code is the idiomatic one (and the RoPE tables would be large program constants).
+Why the CPU path keeps its own kernels (measured on this repo's 2-core machine while ~7 other
+jobs shared it, load 11-24: medians, with wide spreads): on XLA:CPU
+`jax.nn.dot_product_attention` (its XLA implementation: the same two dots, scores in [b,n,t,s]
+order, the mask broadcast over heads) makes the tiny model's training forward 1.5x and its
+gradient 1.3x slower than the einsum over [b,k,t,g,s] scores, which needs no transpose before
+the mask and softmax (`tools/bench_attention.py`, 16 rows x 64 tokens: forward 6.6 vs 10.0 ms,
+gradient 46 vs 61 ms); the whole portable sampler is 2-3.5x slower on the sampler benchmark's
+tiny config (calls of both interleaved in one process: greedy 8.8 vs 17.9 ms a call,
+temperature 1 9.9 vs 33.6 ms; `tools/bench_sampler.py --kernels portable` runs it alone).
+Of its pieces, measured when the CPU code was written: the [b,s,k,h] cache makes the decode
+q . k dot 2.2x / 4.9x slower (tiny / SmolLM2 shapes) than keys [b,k,h,s]; JAX's threefry
+lowering runs as a 5-trip while loop (~3x slower than the hash written out); jnp.argmax's
+variadic reduce is ~3x slower than max + min-index; and XLA:CPU re-evaluates cos/sin inside
+every fusion that uses them. None of this holds on GPU/TPU, where the portable code is the
+idiomatic one (and RoPE tables would be large program constants).
 """
 
 from __future__ import annotations
