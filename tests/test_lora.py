@@ -1,6 +1,8 @@
 """LoRA: the adapted forward vs PEFT on transformers' PyTorch model (float32, 1e-4), the merged
 export vs transformers, adapters off = the base exactly, sampler (merged) = training forward."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +219,254 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
             import ray
 
             ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- training
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
+LORA8 = ["model.lora.rank=8", "loss.reference_policy_kl_penalty=0.05"]
+
+
+def run_steps(t, num_steps):
+    """The loop of train.run on a set-up Trainer (no logging, no checkpoints)."""
+    from jgrpo import train
+
+    data_states = {}
+    t.backend.publish(t.state.params, 0)
+    t.backend.request(0, t.task.train.next_prompts(t.cfg.grpo.num_prompts_per_step))
+    return [train.train_one_step(t, s, data_states) for s in range(num_steps)]
+
+
+@pytest.mark.slow
+def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
+    from jgrpo import train
+    from jgrpo.config import load_config
+    from jgrpo.models.sources import resolve_model_path
+
+    cfg = load_config(TINY, [*QUIET, *LORA8, "grpo.max_num_steps=5"])
+    t = train.setup(cfg, tmp_path / "run", resume=False)
+    assert set(t.state.params) == {"lora"}
+    base = from_pretrained(resolve_model_path(cfg.model.path))
+    base_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(base)))
+    adapters_before = jax.tree.map(np.asarray, t.state.params)
+    rows = run_steps(t, 5)
+    assert all(np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0 for r in rows)
+    # the base: bit-identical before and after (and the very arrays of model.path)
+    for a, b in zip(jax.tree.leaves(base_params), jax.tree.leaves(t.frozen), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), a)
+    # the adapters trained: every B moved off zero
+    for name, b_before in adapters_before["lora"].items():
+        if name.endswith("_lora_b"):
+            assert not np.any(b_before)
+            assert np.abs(np.asarray(t.state.params["lora"][name])).max() > 0, name
+    # trainable parameters and Adam moments: the adapters alone
+    mc = base.cfg
+    d, f, h = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    qo, kv = mc.num_heads * h, mc.num_kv_heads * h
+    per_layer = 8 * ((d + qo) * 2 + (d + kv) * 2 + (d + f) * 3)
+    n_adapter = mc.num_layers * per_layer
+    assert sum(x.size for x in jax.tree.leaves(t.state.params)) == n_adapter
+    moments = [x for x in jax.tree.leaves(t.state.opt_state) if x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * n_adapter
+    assert all(x.dtype == jnp.float32 for x in moments)
+
+
+@pytest.mark.slow
+def test_lora_step_holds_no_reference_copy():
+    """inspect-step: with LoRA, beta != 0 adds no argument bytes to the compiled step (the
+    reference is the base itself); without LoRA it adds the full reference copy."""
+    from jgrpo.config import load_config
+    from jgrpo.inspect_step import inspect_step
+
+    def report(*overrides):
+        return inspect_step(load_config(TINY, ["mesh.data=1", "mesh.fsdp=8", *overrides]))
+
+    lora_kl, lora = report(*LORA8), report("model.lora.rank=8")
+    full_kl, full = report("loss.reference_policy_kl_penalty=0.05"), report()
+    assert lora_kl["ref_param_bytes_per_device"] == 0 and full["ref_param_bytes_per_device"] == 0
+    assert full_kl["ref_param_bytes_per_device"] == full_kl["trainable_param_bytes_per_device"]
+    # (jit drops unused arguments: beta == 0 leaves the KL's scalar hyperparameters unread)
+    scalars = 64
+    extra = lora_kl["argument_bytes_per_device"] - lora["argument_bytes_per_device"]
+    assert 0 <= extra < scalars
+    extra = full_kl["argument_bytes_per_device"] - full["argument_bytes_per_device"]
+    assert 0 <= extra - full_kl["ref_param_bytes_per_device"] < scalars
+    assert full_kl["ref_param_bytes_per_device"] > 100 * scalars
+    assert "ref" in lora_kl["forwards"] and "ref" not in lora["forwards"]
+    # sizes: every parameter is held, only the adapters train and have optimizer state
+    assert lora["num_params"] == full["num_params"] + lora["num_trainable_params"]
+    assert 0 < lora["num_trainable_params"] < full["num_params"] / 4
+    adapter_bytes = lora["trainable_param_bytes_per_device"]
+    assert lora["param_bytes_per_device"] == full["param_bytes_per_device"] + adapter_bytes
+    assert 2 * adapter_bytes <= lora["opt_state_bytes_per_device"] < 2 * adapter_bytes + 64
+
+
+def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
+    """The step's reference forward (the LoRA model, adapters skipped) = the base model's."""
+    from jgrpo import step
+    from jgrpo.config import load_config
+    from jgrpo.models.sources import resolve_model_path
+
+    cfg = load_config(TINY, [*LORA8, "mesh.data=1"])
+    folder = resolve_model_path(cfg.model.path)
+    base = from_pretrained(folder)
+    model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
+    randomize_adapters(model, std=0.3)
+    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1])
+    built = step.build_step(cfg, model, mesh=mesh)
+    batch = {k: jnp.asarray(v) for k, v in rollout_batch.items()}
+    batch["input_ids"] = batch["input_ids"] % base.cfg.vocab_size
+    hp = built.hparams
+
+    @jax.jit
+    def prepared(params, frozen, batch):
+        state = built.state._replace(params=step.with_frozen(params, frozen))
+        return step.prepare_batch(
+            state, batch, hp, None, flags=built.flags, graphdef=built.graphdef
+        )
+
+    data, _ = prepared(built.state.params, built.frozen, batch)
+    base_graphdef, base_state = nnx.split(base)
+    want = jax.jit(step.sequence_logprobs)(
+        base_graphdef, nnx.to_pure_dict(base_state), batch, hp["temperature"]
+    )
+    np.testing.assert_array_equal(data["reference_logprobs"], want)
+    # and the policy (prev) forward does use the adapters
+    assert np.abs(np.asarray(data["prev_logprobs"] - want)).max() > 1e-2
+
+
+@pytest.mark.slow
+def test_run_export_merged_and_peft_match_the_trained_policy(tmp_path):
+    """A LoRA run's checkpoint holds adapters + optimizer state only; `jgrpo export` merges
+    them into the base (transformers loads it with our logits), `--adapter` writes PEFT."""
+    from jgrpo import train
+    from jgrpo.cli import main
+    from jgrpo.config import load_config
+    from jgrpo.export import load_checkpoint_model
+    from jgrpo.models.sources import resolve_model_path
+
+    cfg = load_config(TINY, [*QUIET, *LORA8, "grpo.max_num_steps=2", "checkpoint.save_period=2"])
+    run_dir = tmp_path / "run"
+    train.run(cfg, run_dir)
+    ckpt = run_dir / "checkpoints" / "2"
+    structure = (ckpt / "structure" / "metadata").read_text()
+    assert "lora" in structure and "'embed'" not in structure  # no base weights in it
+    model, folder, _ = load_checkpoint_model(run_dir)
+    assert model.cfg.lora is not None
+    ours = np.asarray(forward(model, IDS % model.cfg.vocab_size))
+    assert main(["export", str(run_dir), str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--adapter"]) == 0
+    ids = IDS % model.cfg.vocab_size
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(torch_logits(hf, ids), ours, atol=TOL, rtol=0)
+    base_hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path))
+    peft_model = peft.PeftModel.from_pretrained(base_hf, tmp_path / "adapter").eval()
+    np.testing.assert_allclose(torch_logits(peft_model, ids), ours, atol=TOL, rtol=0)
+    assert folder == resolve_model_path(cfg.model.path)
+
+
+@pytest.mark.slow
+def test_lora_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Checkpoint (adapters + optimizer state) at step 2, stop, resume (base re-read from
+    model.path): the metrics equal those of the uninterrupted run."""
+    from jgrpo import train
+    from jgrpo.config import load_config
+    from jgrpo.metrics import read_metrics
+    from jgrpo.rollout import LocalRollout, RolloutFailure
+
+    overrides = [*QUIET, *LORA8, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
+    full_dir, broken_dir = tmp_path / "full", tmp_path / "broken"
+    train.run(load_config(TINY, overrides), full_dir)
+    collect = LocalRollout.collect
+
+    def failing_collect(self, step):
+        if step == 2:
+            raise RolloutFailure("stop here (test)")
+        return collect(self, step)
+
+    monkeypatch.setattr(LocalRollout, "collect", failing_collect)
+    with pytest.raises(train.RunStopped):
+        train.run(load_config(TINY, overrides), broken_dir)
+    monkeypatch.setattr(LocalRollout, "collect", collect)
+    train.run(load_config(TINY, overrides), broken_dir, resume=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    assert strip(read_metrics(broken_dir)) == strip(read_metrics(full_dir))
+
+
+# ----------------------------------------------------------------------------- step invariances
+
+STEP_MODEL = dict(
+    family="qwen2",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention_bias=True,
+)
+
+
+def lora_step_on(mesh_shape, overrides):
+    """(loss, adapters after one step, q_lora_b shard shape) of a LoRA step on a mesh."""
+    import dataclasses
+
+    from conftest import make_rollout_batch
+
+    from jgrpo import sharding, step
+    from jgrpo.batch import TrainBatch
+    from jgrpo.config import load_config
+    from jgrpo.models import Transformer, TransformerConfig
+
+    base = [
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "optim.learning_rate=1e-2",
+        "model.lora.rank=8",
+        "loss.reference_policy_kl_penalty=0.1",
+    ]
+    cfg = load_config(None, base + list(overrides))
+    data, fsdp, tensor = mesh_shape
+    mesh_cfg = dataclasses.replace(cfg.mesh, data=data, fsdp=fsdp, tensor=tensor)
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[: data * fsdp * tensor])
+    model = Transformer(TransformerConfig(**STEP_MODEL), rngs=nnx.Rngs(0), init_scale=0.2)
+    spec = LoRASpec(rank=8, alpha=16.0, target_modules=ALL)
+    model = attach_lora(model, spec, jax.random.key(0))
+    randomize_adapters(model, std=0.05)  # B != 0: the policy differs from the reference
+    built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
+    shard = built.state.params["lora"]["q_lora_b"].addressable_shards[0].data.shape
+    before = jax.tree.map(np.asarray, built.state.params)
+    state, metrics = built.step_fn(built.state, batch, built.hparams, None, built.frozen)
+    return float(metrics["loss/total"]), before, jax.tree.map(np.asarray, state.params), shard
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["grpo.num_minibatches=2"],
+        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+        [
+            "grpo.advantage.estimator=reinforce_plus_plus",
+            "loss.use_kl_in_reward=true",
+            "loss.use_importance_sampling_correction=true",
+            "loss.truncated_importance_sampling_type=tis",
+            "loss.truncated_importance_sampling_ratio=2.0",
+        ],
+    ],
+)
+def test_lora_step_is_mesh_and_microbatch_invariant(overrides):
+    """Adapters after one step: 1 device, 1 microbatch = 8 devices (data 2 x fsdp 2 x tensor 2)
+    with 2 microbatches; the adapters are sharded like the weights they adapt."""
+    loss0, before, params0, shard0 = lora_step_on((1, 1, 1), overrides)
+    loss, _, params, shard = lora_step_on((2, 2, 2), [*overrides, "grpo.num_microbatches=2"])
+    assert np.isfinite(loss0) and loss == pytest.approx(loss0, abs=1e-5)
+    for name, value in before["lora"].items():  # every adapter took a step (lr 1e-2)
+        assert np.abs(params0["lora"][name] - value).max() > 1e-3, name
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
+    assert shard0 == (2, 8, 4, 8) and shard == (2, 8, 2, 8)  # [l, r, heads / tensor, h]
 
 
 @pytest.mark.parametrize(
