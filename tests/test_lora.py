@@ -163,6 +163,7 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
     """The Ray backend puts base + adapters on the first publish, adapters alone after it, and
     samples what the local backend samples from base | adapters (both versions)."""
     from jgrpo.config import load_config
+    from jgrpo.models import model_options
     from jgrpo.models.sources import build_tiny_model
     from jgrpo.rollout import LocalRollout, build_engine, make_backend
     from jgrpo.rollout.ray_backend import init_ray
@@ -186,7 +187,7 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
     versions = []
     for v in range(2):
         model = attach_lora(
-            from_pretrained(folder),
+            from_pretrained(folder, **model_options(cfg.model)),
             LoRASpec(rank=4, alpha=16.0, target_modules=ALL),
             jax.random.key(0),
         )
@@ -304,16 +305,17 @@ def test_lora_step_holds_no_reference_copy():
 
 def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     """The step's reference forward (the LoRA model, adapters skipped) = the base model's."""
-    from jgrpo import step
+    from jgrpo import sharding, step
     from jgrpo.config import load_config
+    from jgrpo.models import model_options
     from jgrpo.models.sources import resolve_model_path
 
     cfg = load_config(TINY, [*LORA8, "mesh.data=1"])
     folder = resolve_model_path(cfg.model.path)
-    base = from_pretrained(folder)
+    base = from_pretrained(folder, **model_options(cfg.model))
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
     randomize_adapters(model, std=0.3)
-    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1])
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     built = step.build_step(cfg, model, mesh=mesh)
     batch = {k: jnp.asarray(v) for k, v in rollout_batch.items()}
     batch["input_ids"] = batch["input_ids"] % base.cfg.vocab_size
@@ -410,7 +412,8 @@ STEP_MODEL = dict(
 
 
 def lora_step_on(mesh_shape, overrides):
-    """(loss, adapters after one step, q_lora_b shard shape) of a LoRA step on a mesh."""
+    """(loss, first-minibatch adapter gradients, adapter change, q_lora_b shard shape) of one
+    LoRA step on a mesh."""
     import dataclasses
 
     from conftest import make_rollout_batch
@@ -438,9 +441,22 @@ def lora_step_on(mesh_shape, overrides):
     built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
     batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
     shard = built.state.params["lora"]["q_lora_b"].addressable_shards[0].data.shape
+    flags, graphdef, hp = built.flags, built.graphdef, built.hparams
+
+    @jax.jit
+    def grads_of(params, frozen, batch):
+        full = built.state._replace(params=step.with_frozen(params, frozen))
+        data, _ = step.prepare_batch(full, batch, hp, None, flags=flags, graphdef=graphdef)
+        first = jax.tree.map(lambda x: x[0], step.chunk_rows(data, flags.num_minibatches))
+        return step.accumulate_gradients(
+            params, first, hp, flags=flags, graphdef=graphdef, frozen=frozen
+        )[0]
+
+    grads = jax.tree.map(np.asarray, grads_of(built.state.params, built.frozen, batch))
     before = jax.tree.map(np.asarray, built.state.params)
-    state, metrics = built.step_fn(built.state, batch, built.hparams, None, built.frozen)
-    return float(metrics["loss/total"]), before, jax.tree.map(np.asarray, state.params), shard
+    state, metrics = built.step_fn(built.state, batch, hp, None, built.frozen)
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), state.params, before)
+    return float(metrics["loss/total"]), grads, moved, shard
 
 
 @pytest.mark.parametrize(
@@ -458,14 +474,16 @@ def lora_step_on(mesh_shape, overrides):
     ],
 )
 def test_lora_step_is_mesh_and_microbatch_invariant(overrides):
-    """Adapters after one step: 1 device, 1 microbatch = 8 devices (data 2 x fsdp 2 x tensor 2)
-    with 2 microbatches; the adapters are sharded like the weights they adapt."""
-    loss0, before, params0, shard0 = lora_step_on((1, 1, 1), overrides)
-    loss, _, params, shard = lora_step_on((2, 2, 2), [*overrides, "grpo.num_microbatches=2"])
+    """Loss and adapter gradients of a step: 1 device, 1 microbatch = 8 devices (data 2 x
+    fsdp 2 x tensor 2) with 2 microbatches; the adapters are sharded like the weights they
+    adapt. (Gradients, not the updated adapters: Adam's first update is ~lr * sign(g), which
+    turns float rounding of a near-zero gradient into an lr-sized difference.)"""
+    loss0, grads0, moved, shard0 = lora_step_on((1, 1, 1), overrides)
+    loss, grads, _, shard = lora_step_on((2, 2, 2), [*overrides, "grpo.num_microbatches=2"])
     assert np.isfinite(loss0) and loss == pytest.approx(loss0, abs=1e-5)
-    for name, value in before["lora"].items():  # every adapter took a step (lr 1e-2)
-        assert np.abs(params0["lora"][name] - value).max() > 1e-3, name
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
+    assert min(jax.tree.leaves(moved)) > 1e-3  # every adapter took a step (lr 1e-2)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(grads0)) > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
     assert shard0 == (2, 8, 4, 8) and shard == (2, 8, 2, 8)  # [l, r, heads / tensor, h]
 
 
