@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
     ex.add_argument("out", help="output HF folder")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (atomically)")
+    ex.add_argument(
+        "--adapter", action="store_true", help="LoRA runs: the adapters alone, in PEFT format"
+    )
 
     conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder")
     conv.add_argument("src")
@@ -132,7 +135,13 @@ def _dispatch(args) -> int:
         check_output_folder(args.out, args.overwrite, "export")
         cfg = check_checkpoint_source(args.run_dir)
         _check_model_and_data(cfg, data=False)
-        print(export_checkpoint(args.run_dir, args.out, overwrite=args.overwrite))
+        if args.adapter and cfg.model.lora.rank == 0:
+            raise ConfigError("export --adapter: the run has no LoRA adapters (model.lora.rank=0)")
+        print(
+            export_checkpoint(
+                args.run_dir, args.out, overwrite=args.overwrite, adapter=args.adapter
+            )
+        )
         return 0
 
     cfg = load_config(args.config, args.overrides)

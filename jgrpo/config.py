@@ -37,6 +37,30 @@ class ConfigError(ValueError):
 _FROZEN = dict(frozen=True, kw_only=True)
 
 
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LoRAConfig:
+    """LoRA: train low-rank adapters of the projections; the base stays frozen (and is the
+    reference policy: the forward without adapters)."""
+
+    rank: int = 0
+    """r: adapter rank (0 = off: full fine-tuning)."""
+    alpha: float = 16.0
+    """Adapter updates are scaled by alpha / rank (PEFT's lora_alpha)."""
+    target_modules: tuple[LoRATarget, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Projections (PEFT/HF module names) that get adapters; default all attention and MLP."""
+
+
 @dataclasses.dataclass(**_FROZEN)
 class ModelConfig:
     """The policy model (and its reference copy)."""
@@ -51,6 +75,8 @@ class ModelConfig:
     """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
     logprob_chunk_size: int = 128
     """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
@@ -822,6 +848,19 @@ def validate(cfg: Config) -> Config:
     _require(
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",
+    )
+
+    # LoRA
+    lo = cfg.model.lora
+    _require(lo.rank >= 0, f"model.lora.rank: must be >= 0 (0 = off), got {lo.rank}")
+    _require(lo.alpha > 0, f"model.lora.alpha: must be > 0, got {lo.alpha}")
+    _require(
+        lo.rank == 0 or len(lo.target_modules) > 0,
+        "model.lora.target_modules: needs at least one module when model.lora.rank > 0",
+    )
+    _require(
+        len(set(lo.target_modules)) == len(lo.target_modules),
+        f"model.lora.target_modules: {list(lo.target_modules)} names a module twice",
     )
 
     # mesh

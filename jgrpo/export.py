@@ -7,6 +7,9 @@ A run folder resolves to its newest intact checkpoint (a damaged newer one is sk
 one-line warning, see jgrpo.checkpoint); a step folder given explicitly must verify. Export
 writes the whole HF folder beside OUT and renames it into place, so an existing OUT (only with
 overwrite) is replaced at once and never mixes old and new shards.
+
+A LoRA run's checkpoint holds the adapters (and optimizer state) only: the base is re-read from
+model.path; `export` merges the adapters into it, `export --adapter` writes them in PEFT format.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
 
     from jgrpo import sharding, step
     from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
-    from jgrpo.models import Transformer, model_options, read_hf_config
+    from jgrpo.models import Transformer, from_pretrained, model_options, read_hf_config
+    from jgrpo.models.lora import with_lora
 
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
@@ -75,7 +79,7 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             if reason is not None:
                 raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {reason}")
         folder = resolve_model_path(cfg.model.path)
-        model_cfg = read_hf_config(folder, **model_options(cfg.model))
+        model_cfg = with_lora(read_hf_config(folder, **model_options(cfg.model)), cfg.model.lora)
         abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
         one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, tensor=1)
         built = step.build_step(cfg, abstract, mesh=sharding.make_mesh(one, jax.devices()[:1]))
@@ -91,23 +95,35 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
             ) from None
-    model = nnx.merge(built.graphdef, state.params)
+    params = state.params
+    if model_cfg.lora is not None:
+        # LoRA: the checkpoint holds the adapters; the base is re-read from model.path
+        base = nnx.to_pure_dict(nnx.state(from_pretrained(folder, **model_options(cfg.model))))
+        params = base | state.params
+    model = nnx.merge(built.graphdef, params)
     model.activation_sharding = None  # the trainer's constraint; this model samples and exports
     return model, folder, cfg
 
 
-def export_checkpoint(path, out, *, overwrite: bool = False) -> Path:
-    """Write the checkpoint's policy as HF folder `out`, atomically.
+def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = False) -> Path:
+    """Write the checkpoint's policy as HF folder `out`, atomically: LoRA adapters merged into
+    the base, or with `adapter` the LoRA adapters alone in PEFT's format (LoRA runs only).
 
     Raises ConfigError if `out` exists and is not empty, unless `overwrite`."""
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ConfigError(f"export: {str(out)!r} is not empty; pass overwrite to replace it")
     from jgrpo.models import save_pretrained
+    from jgrpo.models.adapters import merge_lora, save_peft
 
-    model, folder, _ = load_checkpoint_model(path)
+    model, folder, cfg = load_checkpoint_model(path)
+    if adapter and model.cfg.lora is None:
+        raise ConfigError("export --adapter: the run has no LoRA adapters (model.lora.rank=0)")
     with atomic_folder(out, overwrite=True) as tmp:
-        save_pretrained(model, tmp, source=folder)
+        if adapter:
+            save_peft(model, tmp, base_model_name_or_path=str(cfg.model.path))
+        else:
+            save_pretrained(merge_lora(model), tmp, source=folder)
     return out
 
 

@@ -7,9 +7,15 @@ folder holding only config.json is enough. JSON keys:
   counted (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its trip
   count; XLA's own `cost_analysis`, which counts a loop body once, is kept as
   `flops_xla_cost_analysis`); `flops_analytic` is the same quantity from the shapes alone
-  (`analytic_flops`), the cross-check.
+  (`analytic_flops`), the cross-check (it models full fine-tuning: with LoRA the HLO count adds
+  the adapters' matmuls and drops the base weights' gradient matmuls).
 - `param_bytes_per_device`, `opt_state_bytes_per_device`, `ref_param_bytes_per_device`: the
-  largest shard of each tree; `temp_bytes_per_device`: XLA's temporaries of the compiled step;
+  largest shard of each tree: every parameter a device holds (trainable + frozen), the
+  optimizer state (of the trainable ones), the separate reference copy (the full copy when
+  beta != 0 without LoRA; 0 with LoRA, whose reference is the base itself, or with beta == 0);
+  `num_params` / `num_trainable_params` and `trainable_param_bytes_per_device` (the adapters
+  alone with LoRA); `argument_bytes_per_device`: the compiled step's arguments (state, batch,
+  reference, frozen base); `temp_bytes_per_device`: XLA's temporaries of the compiled step;
   `peak_bytes_per_device_estimate`: arguments + outputs - donated aliases + temporaries.
 - `kv_cache_bytes` / `kv_cache_bytes_per_device`: the sampler's KV cache for one rollout batch,
   and its share when the rows are split over the mesh's batch axes (data x fsdp).
@@ -33,6 +39,7 @@ from flax import nnx
 from jgrpo import step
 from jgrpo.config import Config
 from jgrpo.models import Transformer, config_from_hf, model_options
+from jgrpo.models.lora import with_lora
 from jgrpo.models.preflight import read_hf_config
 from jgrpo.models.sources import resolve_model_path
 
@@ -42,7 +49,8 @@ def model_config_of(cfg: Config):
     folder = Path(cfg.model.path)
     if not (folder / "config.json").is_file():
         folder = resolve_model_path(cfg.model.path)
-    return config_from_hf(read_hf_config(folder), **model_options(cfg.model))
+    model_cfg = config_from_hf(read_hf_config(folder), **model_options(cfg.model))
+    return with_lora(model_cfg, cfg.model.lora)
 
 
 def bytes_per_device(tree) -> int:
@@ -164,6 +172,10 @@ def kv_cache_bytes(cfg: Config, model_cfg) -> int:
     return cfg.grpo.batch_size * slots * per_slot * model_cfg.jnp_dtype.itemsize
 
 
+def _count(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+
+
 def inspect_step(cfg: Config, compile: bool = True) -> dict:
     start = time.perf_counter()
     model_cfg = model_config_of(cfg)
@@ -175,12 +187,14 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
     kv = kv_cache_bytes(cfg, model_cfg)
     report = {
         "mesh": dict(built.mesh.shape),
-        "num_params": sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+        "num_params": _count((state.params, built.frozen)),
+        "num_trainable_params": _count(state.params),
         "param_dtype": model_cfg.param_dtype,
         "compute_dtype": model_cfg.dtype,
         "remat": model_cfg.remat,
         "logprob_chunk_size": model_cfg.logprob_chunk_size,
-        "param_bytes_per_device": bytes_per_device(state.params),
+        "param_bytes_per_device": bytes_per_device((state.params, built.frozen)),
+        "trainable_param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "ref_param_bytes_per_device": bytes_per_device(built.ref_params),
         "kv_cache_bytes": kv,

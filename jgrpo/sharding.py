@@ -31,6 +31,7 @@ DEFAULT_RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "lora_rank": None,  # LoRA adapter rank: small, never sharded (models/lora.py)
 }
 
 

@@ -86,6 +86,9 @@ class StepFlags:
     schedule: str = "constant"
     warmup_steps: int = 0
     total_updates: int = 1
+    lora: bool = False
+    """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
+    forward with the adapters skipped) and no reference copy exists."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepFlags:
@@ -101,6 +104,7 @@ class StepFlags:
             schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
             total_updates=cfg.grpo.max_num_steps * cfg.grpo.num_minibatches,
+            lora=cfg.model.lora.rank > 0,
         )
 
 
@@ -242,19 +246,22 @@ def with_frozen(params, frozen):
     return out
 
 
-def sequence_logprobs(graphdef, params, batch, temperature):
+def sequence_logprobs(graphdef, params, batch, temperature, use_lora=True):
     """[B, T] float32 logprobs of batch["input_ids"] under the model (temperature-scaled),
-    through `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits)."""
+    through `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits);
+    use_lora=False skips the LoRA adapters (the base model)."""
     model = nnx.merge(graphdef, params)
-    return model.token_logprobs(batch["input_ids"], batch["attention_mask"], temperature)
+    return model.token_logprobs(
+        batch["input_ids"], batch["attention_mask"], temperature, use_lora=use_lora
+    )
 
 
-def frozen_logprobs(name, graphdef, params, batch, temperature, num_chunks):
+def frozen_logprobs(name, graphdef, params, batch, temperature, num_chunks, use_lora=True):
     """A no-gradient forward over the whole batch in `num_chunks` chunks (bounded memory)."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     with jax.named_scope(f"forward_{name}"):
         lp_kbt = jax.lax.map(
-            lambda mb: sequence_logprobs(graphdef, params, mb, temperature),
+            lambda mb: sequence_logprobs(graphdef, params, mb, temperature, use_lora),
             chunk_rows(inputs, num_chunks),
         )
     return jax.lax.stop_gradient(unchunk_rows(lp_kbt))
@@ -310,8 +317,10 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
     data = {k: v for k, v in batch.items() if k not in ("rewards", "group_ids")}
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     if flags.compute_ref_logprobs:
+        # LoRA: the reference is the base, the policy's own arrays with the adapters skipped
+        ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         data["reference_logprobs"] = frozen_logprobs(
-            "ref", graphdef, ref_params, batch, temp, chunks
+            "ref", graphdef, ref, batch, temp, chunks, use_lora
         )
     if flags.compute_prev_logprobs:
         data["prev_logprobs"] = frozen_logprobs("prev", graphdef, state.params, batch, temp, chunks)
@@ -573,11 +582,15 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
     `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device. `trainable` is an nnx
     filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
     the others become `frozen` (placed with their shardings, in their stored dtype). None =
-    everything trains."""
+    everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`)."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     rules = sharding.make_rules(cfg.mesh)
     frozen = None
+    if (cfg.model.lora.rank > 0) != (model.cfg.lora is not None):
+        raise ValueError("build_step: model.lora.rank and the model's LoRA adapters disagree")
+    if model.cfg.lora is not None and trainable is None:  # LoRA: train the adapters alone
+        trainable = nnx.LoRAParam
     if trainable is None:
         graphdef, model_state = nnx.split(model)
     else:
@@ -605,12 +618,12 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
             _with_shardings(opt_state, shardings.opt_state),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
         )
-        if flags.compute_ref_logprobs:
+        if flags.compute_ref_logprobs and not flags.lora:
             ref = jax.eval_shape(lambda p: _reference_copy(p, dtype), params_abstract)
             ref = _with_shardings(ref, p_shard)
     else:
         state = init_train_state(sharding.shard_params(params, p_shard), tx, shardings)
-        if flags.compute_ref_logprobs:
+        if flags.compute_ref_logprobs and not flags.lora:
             ref = _reference_copy(state.params, dtype)
     return StepSetup(
         cfg=cfg,

@@ -9,6 +9,11 @@ Per step s (0-based; metrics.jsonl line `step` = s + 1 = updates done):
 Resume: a checkpoint holds the train state (params, optimizer state, update count) and meta
 (the data-stream position before the first untrained step, the step). Sampling keys derive
 from (grpo.seed, step), so a killed and resumed run repeats the uninterrupted one exactly.
+
+LoRA (model.lora.rank > 0): fresh adapters (seeded by grpo.seed) over the base of model.path;
+the train state's params are the adapters, the base is the step's `frozen` argument and the
+backend's frozen tree (published once), so checkpoints hold adapters + optimizer state and a
+resume re-reads the base from model.path.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, to_dict
 from jgrpo.metrics import MetricsLogger, plot_run
 from jgrpo.models import from_pretrained, model_options
+from jgrpo.models.adapters import attach_lora, merge_lora
+from jgrpo.models.lora import spec_from_config
 from jgrpo.models.sources import check_model_path, resolve_model_path
 from jgrpo.rollout import (
     RolloutEngine,
@@ -54,6 +61,9 @@ class Trainer:
     mesh: Any
     state: step.TrainState
     ref_params: Any
+    frozen: Any
+    """The parameters that are not trained (the LoRA base; None without LoRA)."""
+    graphdef: Any
     hparams: dict
     step_fn: Any
     task: Any
@@ -83,6 +93,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
 
     folder = resolve_model_path(cfg.model.path)
     model = from_pretrained(folder, **model_options(cfg.model))
+    spec = spec_from_config(cfg.model.lora)
+    if spec is not None:  # fresh adapters over the loaded base (a resume overwrites them)
+        model = attach_lora(model, spec, jax.random.key(cfg.grpo.seed))
     built = step.build_step(cfg, model)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
@@ -96,12 +109,16 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
 
     tokenizer = load_tokenizer(folder)
     engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
-    backend = make_backend(cfg, engine, nnx.graphdef(model), folder)
+    backend = make_backend(cfg, engine, nnx.graphdef(model), folder, built.frozen)
+    trainable = sum(x.size for x in jax.tree.leaves(state.params))
+    log.info("trainable parameters: %d of %d", trainable, trainable + _size(built.frozen))
     return Trainer(
         cfg=cfg,
         mesh=built.mesh,
         state=state,
         ref_params=built.ref_params,
+        frozen=built.frozen,
+        graphdef=built.graphdef,
         hparams=built.hparams,
         step_fn=built.step_fn,
         task=task,
@@ -109,6 +126,19 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         checkpointer=checkpointer,
         start_step=start,
     )
+
+
+def _size(tree) -> int:
+    return sum(x.size for x in jax.tree.leaves(tree))
+
+
+def policy_model(t: Trainer):
+    """The current policy as a plain Transformer (LoRA adapters merged into the base): what
+    an HF export of the run holds."""
+    full = t.state.params if t.frozen is None else t.frozen | t.state.params
+    model = nnx.merge(t.graphdef, full)
+    model.activation_sharding = None  # the trainer's constraint; this model is exported
+    return merge_lora(model)
 
 
 def validate(t: Trainer, step_index: int) -> dict[str, float]:
@@ -206,7 +236,7 @@ def train_one_step(
         logger.log_samples(s + 1, result.samples[: t.cfg.logging.num_samples])
     gen_s = time.perf_counter() - start
     batch = result.step_batch().shard(t.mesh)
-    t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params)
+    t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params, t.frozen)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s
     sync = t.backend.publish(t.state.params, s + 1)
@@ -239,18 +269,12 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically."""
-    from flax import nnx
-
-    from jgrpo.models import Transformer, read_hf_config
     from jgrpo.models.hf import save_pretrained
     from jgrpo.models.sources import atomic_folder
 
     folder = resolve_model_path(t.cfg.model.path)
-    model_cfg = read_hf_config(folder, **model_options(t.cfg.model))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
-    nnx.replace_by_pure_dict(state, t.state.params)
     with atomic_folder(out, overwrite=True) as tmp:
-        save_pretrained(nnx.merge(graphdef, state), tmp, source=folder)
+        save_pretrained(policy_model(t), tmp, source=folder)
     return out
 
 

@@ -40,6 +40,10 @@ Entry points:
   place) and attends over slots `s < attend_len` with `kv_mask_bs[b, s]` and `s <= slot`.
   `layers = model.layer_weights()` is taken once by the caller, outside its decode loop.
 The sampler (`jgrpo.sampling`) is their user.
+
+LoRA (`cfg.lora`, models/lora.py): the adapters live in `self.lora`; the training forward adds
+each targeted projection's low-rank delta unmerged, `use_lora=False` runs the base alone (the
+reference policy), and `layer_weights` merges the adapters into the inference weights.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import numpy as np
 from flax import nnx
 
 from jgrpo.models import kernels as _kernels
+from jgrpo.models import lora as lora_lib
 from jgrpo.models.kernels import resolve_kernels
 
 
@@ -106,6 +111,8 @@ class TransformerConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: Optional[int] = None
+    lora: Optional[lora_lib.LoRASpec] = None
+    """LoRA adapters on the targeted projections (None = none; see models/lora.py)."""
 
     @property
     def jnp_dtype(self):
@@ -213,7 +220,9 @@ def _fuse_layer_params(stacked, i: int, cfg):
     [n * h, d] (a single contracting axis: with two, XLA:CPU transposed both operands of every
     decode step's o dot), in the compute dtype (parameters may be stored in another). Each array
     is one slice-and-concatenate of the stacked params."""
-    p = {name: w[i].astype(cfg.jnp_dtype) for name, w in stacked.items()}
+    # LoRA adapters are merged in the stored dtype, then the sum is cast once
+    p = lora_lib.merge_layer({name: w[i] for name, w in stacked.items()}, cfg.lora)
+    p = {name: w.astype(cfg.jnp_dtype) for name, w in p.items()}
     d = p["q"].shape[0]
     p["o"] = p["o"].reshape(-1, d)
     p["qkv"] = jnp.concatenate([p.pop(name).reshape(d, -1) for name in "qkv"], axis=-1)
@@ -237,6 +246,7 @@ def _layer_qkv(p, cfg, x_btd, rope):
         q = _dense(h_btd, p["q"], p.get("q_bias"))
         k = _dense(h_btd, p["k"], p.get("k_bias"))
         v = _dense(h_btd, p["v"], p.get("v_bias"))
+        q, k, v = (lora_lib.add_delta(y, p, w, h_btd, cfg.lora) for y, w in zip((q, k, v), "qkv"))
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -248,14 +258,17 @@ def _layer_out(p, cfg, x_btd, attn_btnh):
         b, t = attn_btnh.shape[:2]
         x_btd = x_btd + jnp.einsum("btx,xd->btd", attn_btnh.reshape(b, t, -1), p["o"])
     else:
-        x_btd = x_btd + jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
+        o_btd = jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
+        x_btd = x_btd + lora_lib.add_delta(o_btd, p, "o", attn_btnh, cfg.lora)
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     if "gate_up" in p:  # fused (inference) layout
         gate_btf, up_btf = jnp.split(_dense(h_btd, p["gate_up"]), 2, axis=-1)
     else:
-        gate_btf, up_btf = _dense(h_btd, p["gate"]), _dense(h_btd, p["up"])
-    gate_btf = jax.nn.silu(gate_btf)
-    return x_btd + jnp.einsum("btf,fd->btd", gate_btf * up_btf, p["down"])
+        gate_btf = lora_lib.add_delta(_dense(h_btd, p["gate"]), p, "gate", h_btd, cfg.lora)
+        up_btf = lora_lib.add_delta(_dense(h_btd, p["up"]), p, "up", h_btd, cfg.lora)
+    act_btf = jax.nn.silu(gate_btf) * up_btf
+    down_btd = jnp.einsum("btf,fd->btd", act_btf, p["down"])
+    return x_btd + lora_lib.add_delta(down_btd, p, "down", act_btf, cfg.lora)
 
 
 # ----------------------------------------------------------------------------- the module
@@ -310,15 +323,20 @@ class Transformer(nnx.Module):
         self.final_norm = _param(rngs, (d,), ("norm",), dt, None)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), dt, s)
+        self.lora = None if cfg.lora is None else lora_lib.make_adapter_params(cfg, rngs)
 
     def _constrain(self, x_btd):
         if self.activation_sharding is None:
             return x_btd
         return jax.lax.with_sharding_constraint(x_btd, self.activation_sharding)
 
-    def _layer_params(self):
-        """The stacked layer parameters as stored (param_dtype)."""
-        return {name: p[...] for name, p in self.layers.items()}
+    def _layer_params(self, use_lora: bool = True):
+        """The stacked layer parameters as stored (param_dtype), with the LoRA adapters
+        (`*_lora_a/b`, float32) unless use_lora=False."""
+        stacked = {name: p[...] for name, p in self.layers.items()}
+        if use_lora and self.lora is not None:
+            stacked |= {name: p[...] for name, p in self.lora.items()}
+        return stacked
 
     def _head(self):
         """The LM head [d, v] as stored (the transposed embedding when tied)."""
@@ -359,7 +377,7 @@ class Transformer(nnx.Module):
         causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
         return causal_ts[None] & mask_bt[:, None, :], rope
 
-    def _hidden(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
+    def _hidden(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True):
         """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
 
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
@@ -380,14 +398,18 @@ class Transformer(nnx.Module):
         if cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
-        x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), self._layer_params())
+        x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), self._layer_params(use_lora))
         return x_btd
 
-    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None):
-        """-> float32 logits [b, t, v] (see the module docstring)."""
-        return self._logits(self._hidden(input_ids_bt, positions_bt, attention_mask_bt))
+    def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, use_lora=True):
+        """-> float32 logits [b, t, v] (see the module docstring). use_lora=False runs the base
+        model alone (the reference policy of a LoRA run)."""
+        hidden_btd = self._hidden(input_ids_bt, positions_bt, attention_mask_bt, use_lora)
+        return self._logits(hidden_btd)
 
-    def token_logprobs(self, input_ids_bt, attention_mask_bt=None, temperature=1.0):
+    def token_logprobs(
+        self, input_ids_bt, attention_mask_bt=None, temperature=1.0, *, use_lora=True
+    ):
         """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
         temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
         without ever holding [b, t, v] logits.
@@ -398,7 +420,7 @@ class Transformer(nnx.Module):
         the batch axis keeps its sharding. The head is cast to the compute dtype inside the
         chunk, so its gradient accumulates over chunks in the stored dtype."""
         cfg = self.cfg
-        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt))
+        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
         b, t = input_ids_bt.shape
         c = min(cfg.logprob_chunk_size or t, t)
         k = -(-t // c)

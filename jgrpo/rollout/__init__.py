@@ -38,15 +38,18 @@ __all__ = [
 ]
 
 
-def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder):
-    """The configured backend (rollout.backend)."""
+def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder, frozen=None):
+    """The configured backend (rollout.backend). `frozen`: the parameters `publish` never
+    sends (the LoRA base; None when every parameter trains)."""
+    g = cfg.grpo
     if cfg.rollout.backend == "local":
-        return LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
+        return LocalRollout(engine, graphdef, g.seed, g.num_generations_per_prompt, frozen)
     from jgrpo.rollout.ray_backend import RayRollout  # the only ray import of jgrpo
 
     return RayRollout(
         cfg,
         model_folder,
+        frozen=frozen,
         num_cpus_per_worker=cfg.rollout.num_cpus_per_worker,
         num_gpus_per_worker=cfg.rollout.num_gpus_per_worker,
     )

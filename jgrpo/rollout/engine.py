@@ -262,10 +262,11 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     from pathlib import Path
 
     from jgrpo.models import config_from_hf, model_options
+    from jgrpo.models.lora import with_lora
     from jgrpo.tasks import make_task
 
     hf = json.loads((Path(model_folder) / "config.json").read_text())
-    model_cfg = config_from_hf(hf, **model_options(cfg.model))
+    model_cfg = with_lora(config_from_hf(hf, **model_options(cfg.model)), cfg.model.lora)
     task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)

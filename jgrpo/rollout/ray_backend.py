@@ -13,6 +13,13 @@ version is fetched by a worker at most once and only if it generates with it. Ol
 freed by Ray's reference counting once no queued batch names them. Metrics: publish returns
 `rollout/weight_sync_s` (gather + put, the trainer-side cost per step), the result of each
 batch carries the worker-side `rollout/weight_pull_s` and `rollout/generate_s`.
+`rollout/weight_mb` is what that publish put into the object store.
+
+LoRA (`frozen` given: the base, which never changes): the first publish also puts the base, once;
+every publish after it puts only the trainable adapters (so `rollout/weight_mb` drops to the
+adapters' size). A worker pulls the base on its first batch (a restarted worker on its first
+batch again) and each adapter version like the full params above; it samples from base | adapters
+(the sampler merges the adapters into its inference weights once per generate call).
 
 Scheduling. The driver runs no background thread: each protocol call first reaps finished
 batches (non-blocking) and hands queued batches to idle workers, one batch per worker at a time,
@@ -163,6 +170,7 @@ class RolloutWorker:
         self.engine, self.graphdef = build_engine(cfg, model_folder)
         self.version: Optional[int] = None
         self.params = None
+        self.frozen = None  # the LoRA base, pulled once
 
     def pid(self) -> int:
         return os.getpid()
@@ -178,19 +186,24 @@ class RolloutWorker:
         num_generations: int,
         greedy: bool,
         first_prompt: int,
+        frozen_box: Optional[list] = None,
     ) -> RolloutResult:
         pull_s = 0.0
+        if frozen_box is not None and self.frozen is None:
+            start = time.perf_counter()
+            self.frozen = jax.block_until_ready(jax.device_put(ray.get(frozen_box[0])))
+            pull_s += time.perf_counter() - start
         if version != self.version:
             start = time.perf_counter()
             self.params = None  # free the old copy before the new one lands
             self.params = jax.block_until_ready(jax.device_put(ray.get(params_box[0])))
             self.version = version
-            pull_s = time.perf_counter() - start
+            pull_s += time.perf_counter() - start
         start = time.perf_counter()
         key = step_key(seed, step, salt)
         result = self.engine.rollout(
             self.graphdef,
-            self.params,
+            self.params if self.frozen is None else self.frozen | self.params,
             examples,
             key,
             version,
@@ -225,6 +238,7 @@ class RayRollout:
         cfg: Config,
         model_folder,
         *,
+        frozen=None,
         num_cpus_per_worker: Optional[float] = None,
         num_gpus_per_worker: Optional[float] = None,
     ):
@@ -246,6 +260,8 @@ class RayRollout:
         for i in range(ro.num_workers):
             self._start_worker(i)
         self._latest: Optional[tuple[int, ray.ObjectRef]] = None
+        self._frozen = frozen
+        self._frozen_ref: Optional[ray.ObjectRef] = None
         self._queue: list[_Job] = []
         self._running: dict[ray.ObjectRef, tuple[int, _Job, int]] = {}
         self._results: dict[tuple, RolloutResult] = {}
@@ -257,16 +273,22 @@ class RayRollout:
     # ------------------------------------------------------------------------- protocol
 
     def publish(self, params, version: int) -> dict[str, float]:
-        """Host-gather `params` once and put one object for the workers to pull."""
+        """Host-gather `params` once and put one object for the workers to pull (and the
+        frozen base, on the first publish only)."""
         if self._latest is not None and version <= self._latest[0]:
             raise ValueError(f"publish: version {version} after version {self._latest[0]}")
         start = time.perf_counter()
         host = jax.device_get(params)
+        frozen_host = None
+        if self._frozen is not None and self._frozen_ref is None:
+            frozen_host = jax.device_get(self._frozen)
         gathered = time.perf_counter()
+        if frozen_host is not None:
+            self._frozen_ref = ray.put(frozen_host)
         self._latest = (version, ray.put(host))
         done = time.perf_counter()
         self._pump()
-        nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(host))
+        nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves((host, frozen_host)))
         return {
             "rollout/weight_sync_s": done - start,
             "rollout/weight_gather_s": gathered - start,
@@ -309,6 +331,7 @@ class RayRollout:
         self._running.clear()
         self._queue.clear()
         self._latest = None
+        self._frozen_ref = None
         if self.owns_ray:
             ray.shutdown()
             self.owns_ray = False
@@ -408,6 +431,7 @@ class RayRollout:
                 job.num_generations,
                 job.greedy,
                 job.first_prompt,
+                None if self._frozen_ref is None else [self._frozen_ref],
             )
             self._running[out] = (w, job, version)
             self._queue.remove(job)
