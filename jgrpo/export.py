@@ -62,7 +62,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
     with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
         state, _ = checkpointer.restore(ckpt_step, built.state)
     model = nnx.merge(built.graphdef, state.params)
-    model.activation_sharding = None  # the trainer's constraint; this model samples and exports
+    # the trainer's constraints; this model samples and exports
+    model.activation_sharding = model.head_sharding = None
     return model, folder, cfg
 
 
