@@ -101,7 +101,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
         base = nnx.to_pure_dict(nnx.state(from_pretrained(folder, **model_options(cfg.model))))
         params = base | state.params
     model = nnx.merge(built.graphdef, params)
-    model.activation_sharding = None  # the trainer's constraint; this model samples and exports
+    # the trainer's constraints; this model samples and exports
+    model.activation_sharding = model.head_sharding = None
     return model, folder, cfg
 
 

@@ -290,6 +290,9 @@ class Transformer(nnx.Module):
         # where the trainer's [b, t, d] activations live: a jax Sharding, static in the graph
         # def (None = wherever propagation puts them); set by jgrpo.step.constrained_graphdef
         self.activation_sharding = None
+        # the stored LM head's sharding (embed when tied), pinned inside each logprob chunk so
+        # its gradient is reduce-scattered there and accumulates sharded, not whole
+        self.head_sharding = None
         d, f, n, k, h, l, v = (
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -329,6 +332,11 @@ class Transformer(nnx.Module):
         if self.activation_sharding is None:
             return x_btd
         return jax.lax.with_sharding_constraint(x_btd, self.activation_sharding)
+
+    def _pin_head(self, head):
+        if self.head_sharding is None:
+            return head
+        return jax.lax.with_sharding_constraint(head, self.head_sharding)
 
     def _layer_params(self, use_lora: bool = True):
         """The stacked layer parameters as stored (param_dtype), with the LoRA adapters
@@ -417,8 +425,7 @@ class Transformer(nnx.Module):
         The LM head, log-sum-exp and the gathered target logit run over chunks of
         `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
         backward recomputes its logits too: memory O(b x chunk x v). Chunks run along t, so
-        the batch axis keeps its sharding. The head is cast to the compute dtype inside the
-        chunk, so its gradient accumulates over chunks in the stored dtype."""
+        the batch axis keeps its sharding."""
         cfg = self.cfg
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
         b, t = input_ids_bt.shape
@@ -431,17 +438,21 @@ class Transformer(nnx.Module):
         targets_kbc = jnp.swapaxes(targets_bt.reshape(b, k, c), 0, 1)
         temperature = jnp.asarray(temperature, jnp.float32)
         temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
-        head_dv = self._head()
+        # cast BEFORE the chunk loop: XLA hoists each loop's all-gather of the (fsdp-sharded)
+        # head out of the loop, and gathered after the cast a copy is half the bytes (on the
+        # 1.5B shape, five float32 copies were 4.6 GB per device). The price: the head's
+        # gradient is summed over chunks in the compute dtype.
+        stored = self.embed[...] if cfg.tie_word_embeddings else self.lm_head[...]
+        stored = self._pin_head(stored.astype(cfg.jnp_dtype))
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def chunk(xs):
             x_bcd, targets_bc = xs
             x_bcd = self._constrain(x_bcd)
+            head = self._pin_head(stored)
+            head_dv = head.T if cfg.tie_word_embeddings else head
             logits_bcv = jnp.einsum(
-                "bcd,dv->bcv",
-                x_bcd,
-                head_dv.astype(cfg.jnp_dtype),
-                preferred_element_type=jnp.float32,
+                "bcd,dv->bcv", x_bcd, head_dv, preferred_element_type=jnp.float32
             )
             logits_bcv = logits_bcv / temperature
             picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
