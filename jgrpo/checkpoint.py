@@ -46,10 +46,11 @@ existing damaged or incomplete step does the same.
 
 Pods: every process calls save and restore (orbax 0.12 coordinates them through
 jax.distributed: each process writes the shards it owns, process 0 writes the metadata and
-finalizes the step; the folder must be on a filesystem every host sees). Process 0 alone writes
-the checksum files and renames damaged steps aside (then every process meets at a barrier). Restoring reads the
-shards each process's target sharding needs, so a checkpoint written by 1 process x 8 devices
-restores onto 2 processes x 4 devices and back (same leaves and shapes, any mesh).
+finalizes the step; the folder must be on a filesystem every host sees). Process 0 alone
+writes the checksum files and renames damaged steps aside (then every process meets at a
+barrier). Restoring reads the shards each process's target sharding needs, so a checkpoint
+written by 1 process x 8 devices restores onto 2 processes x 4 devices and back (same leaves
+and shapes, any mesh).
 
 Saving is synchronous by default (``async_save=False``): :meth:`Checkpointer.save` returns when
 the step is on disk. With ``async_save=True`` it returns once the arrays are copied to host
