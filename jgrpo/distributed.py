@@ -362,12 +362,19 @@ def allgather(value, *, raw: bool = False) -> list:
 
 
 def allgather_rows(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Concatenate each key's per-process row arrays in process order (the global batch order)."""
+    """Concatenate each key's per-process row arrays in process order (the global batch order).
+
+    One gather; a process with no rows passes an empty mapping."""
     if not is_multiprocess():
         return {k: np.asarray(v) for k, v in rows.items()}
-    keys = sorted(rows)
-    parts = {k: allgather(np.asarray(rows[k])) for k in keys}
-    return {k: np.concatenate(parts[k]) for k in keys}
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.asarray(v) for k, v in rows.items()})
+    parts = []
+    for blob in allgather(buf.getvalue(), raw=True):
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            parts.append({k: z[k] for k in z.files})
+    parts = [p for p in parts if p]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 # ----------------------------------------------------------------------------- watchdog

@@ -148,7 +148,9 @@ def test_watchdog_reports_a_lost_coordinator_as_process_0(monkeypatch):
 # ----------------------------------------------------------------------------- a real pod
 
 # Every group gets reward variance (a length reward), so losses and gradients are not 0.
-REWARD = "def length(prompt, completion, example):\n    return len(completion) / 8.0\n"
+REWARD = (
+    "def length(prompts, completions, **kwargs):\n    return [len(c) / 8.0 for c in completions]\n"
+)
 # fsdp=2 within each host: parameters sharded on the pod, each host samples with its replica.
 OVERRIDES = [
     "mesh.data=4",

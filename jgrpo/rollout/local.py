@@ -31,8 +31,8 @@ from jgrpo.rollout.engine import (
     step_key,
 )
 
-_STAT_ROWS = ("lengths", "truncated", "correct", "weight_version", "rewards")
 _PADDED = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
+"""The [B, T] arrays; every other key of a rollout batch is per row (statistics rows)."""
 
 
 class LocalRollout:
@@ -81,20 +81,21 @@ class LocalRollout:
         if pad:  # another host's prompts took a wider bucket: left-pad to the common width
             for k in _PADDED:
                 batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
-        return RolloutResult(batch, _gather_stats(batch, result.stats)[1], result.samples)
+        _, stats = _gather_stats(batch, result.stats, result.reward_names)
+        return RolloutResult(batch, stats, result.samples, result.reward_names)
 
     def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
         key = step_key(self.seed, step, salt=VALIDATION_SALT)
         lo, hi = distributed.process_slice(len(examples))
         if not distributed.is_multiprocess():
             return self._evaluate(examples, key, pass_k, 0)
+        names = tuple(self.engine.task.reward_names)
         if hi > lo:
             result = self._evaluate(examples[lo:hi], key, pass_k, lo)
-            rows, stats = {k: result.batch[k] for k in _STAT_ROWS}, result.stats
+            batch, stats = result.batch, result.stats
         else:  # fewer examples than processes: this host has none
-            rows = {k: np.zeros(0, _row_dtype(k)) for k in _STAT_ROWS}
-            stats = dict.fromkeys(REWARD_FAILURE_KEYS, 0.0)
-        return RolloutResult(*_gather_stats(rows, stats), [])
+            batch, stats = {}, dict.fromkeys(REWARD_FAILURE_KEYS, 0.0)
+        return RolloutResult(*_gather_stats(batch, stats, names), [], names)
 
     def _evaluate(self, examples: list, key, pass_k: int, first: int) -> RolloutResult:
         return self.engine.rollout(
@@ -112,13 +113,10 @@ class LocalRollout:
         pass
 
 
-def _row_dtype(key: str):
-    return {"truncated": bool, "correct": bool, "rewards": np.float32}.get(key, np.int32)
-
-
-def _gather_stats(batch: dict, local_stats: dict) -> tuple[dict, dict[str, float]]:
-    """(every host's statistics rows, batch_stats of them + the summed reward-failure counts)."""
-    rows = distributed.allgather_rows({k: batch[k] for k in _STAT_ROWS})
+def _gather_stats(batch: dict, local_stats: dict, names) -> tuple[dict, dict[str, float]]:
+    """(every host's per-row arrays, batch_stats of them + the summed reward-failure counts)."""
+    rows = distributed.allgather_rows({k: v for k, v in batch.items() if k not in _PADDED})
     counts = distributed.allgather(np.asarray([local_stats[k] for k in REWARD_FAILURE_KEYS]))
     total = np.sum(counts, axis=0)
-    return rows, batch_stats(rows) | {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    return rows, batch_stats(rows, names) | failures
