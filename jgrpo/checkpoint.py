@@ -44,6 +44,14 @@ intact one; damaged steps newer than it are renamed to hidden ``.<step>.damaged-
 (deleted once a newer save lands), so saving that step again replaces it; a save onto an
 existing damaged or incomplete step does the same.
 
+Pods: every process calls save and restore (orbax 0.12 coordinates them through
+jax.distributed: each process writes the shards it owns, process 0 writes the metadata and
+finalizes the step; the folder must be on a filesystem every host sees). Process 0 alone
+writes the checksum files and renames damaged steps aside (then every process meets at a
+barrier). Restoring reads the shards each process's target sharding needs, so a checkpoint
+written by 1 process x 8 devices restores onto 2 processes x 4 devices and back (same leaves
+and shapes, any mesh).
+
 Saving is synchronous by default (``async_save=False``): :meth:`Checkpointer.save` returns when
 the step is on disk. With ``async_save=True`` it returns once the arrays are copied to host
 (so donating ``state`` to the next step is safe) and the write finishes in the background; the
@@ -66,6 +74,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jgrpo import distributed
 from jgrpo.config import ConfigError
 
 _ITEMS = ("state", "meta", "structure")
@@ -186,13 +195,13 @@ def _restore_struct(leaf: Any) -> jax.ShapeDtypeStruct:
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         sharding = leaf.sharding
         if sharding is None:
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         if _is_key(leaf):
             data = jax.eval_shape(jax.random.key_data, leaf)
             return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
     value = np.asarray(leaf)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
 
 
@@ -306,11 +315,13 @@ class Checkpointer:
         if not self._pending:
             return
         self._manager.wait_until_finished()
-        for step in self._pending:
+        newest = max(self._pending)
+        pending, self._pending = self._pending, []
+        if not distributed.is_primary():  # process 0 finalizes steps and owns these files
+            return
+        for step in pending:
             if is_complete_step(self.directory / str(step)):
                 write_checksums(self.directory / str(step))
-        newest = max(self._pending)
-        self._pending = []
         for p in self.directory.iterdir():
             m = _ASIDE.match(p.name)
             if m and int(m.group(1)) <= newest:
@@ -319,8 +330,9 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Rename step folder `step` out of orbax's view (hidden), so it can be written again."""
         src = self.directory / str(step)
-        if src.exists():
+        if src.exists() and distributed.is_primary():
             os.rename(src, self.directory / f".{step}.damaged-{uuid.uuid4().hex[:8]}")
+        distributed.barrier("checkpoint-set-aside")  # every process sees the rename
         self._manager.reload()
 
     def verify(self, step: int) -> Optional[str]:

@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--fresh", action="store_true", help="delete --run-dir contents first")
     train.add_argument("--show-config", action="store_true", help="print the resolved config")
+    pod = train.add_argument_group("multi-host pod (one process per host; see README)")
+    pod.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    pod.add_argument("--num-processes", type=int, metavar="N", help="processes in the pod")
+    pod.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    pod.add_argument(
+        "--peer-timeout", type=float, metavar="S", help="seconds before a silent peer is lost"
+    )
 
     ev = with_config("eval", "held-out accuracy of a checkpoint or HF folder")
     ev.add_argument("--checkpoint", help="run folder or checkpoint step folder")
@@ -291,19 +298,26 @@ def _train(cfg, args) -> int:
     if args.show_config:
         print(format_config(cfg))
         return 0
+    from jgrpo import distributed
+
+    spec = distributed.resolve_spec(
+        args.coordinator, args.num_processes, args.process_id, args.peer_timeout
+    )
     run_dir = Path(args.run_dir) if args.run_dir else _fresh_run_dir(Path("runs"))
     check_run_dir(run_dir, args.resume, args.fresh)
     if args.resume:
         _check_resume_config(cfg, run_dir)
     _check_model_and_data(cfg)
+    distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
 
     train.check_run(cfg)
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
-    if args.fresh and run_folder_kind(run_dir) == "run":
+    if args.fresh and run_folder_kind(run_dir) == "run" and distributed.is_primary():
         import shutil
 
         shutil.rmtree(run_dir)
+    distributed.barrier("run-dir")  # every process checked run_dir before process 0 writes it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUN_MARKER).touch()
@@ -314,6 +328,16 @@ def _train(cfg, args) -> int:
     except train.RunStopped as e:
         print(f"jgrpo: stopped: {e}", file=sys.stderr)
         return 1
+    except BaseException:
+        if distributed.is_multiprocess():  # peers may wait on this process: do not linger
+            import traceback
+
+            traceback.print_exc()
+            distributed.abort(1)
+        raise
+    distributed.finish()
+    if not distributed.is_primary():
+        return 0
     train.write_summary(run_dir, history)
     print(train.summarize(history))
     print(f"run folder: {run_dir}")

@@ -24,6 +24,9 @@ metrics.jsonl rules (what :func:`read_metrics` and ``jgrpo plot`` rely on):
   atomic rewrite before anything is logged, so a resumed file equals the uninterrupted one.
   ``resume_step=None`` is a fresh run: an existing metrics.jsonl is replaced.
 
+On a pod only process 0 opens these sinks; the other processes log to a :class:`NullLogger`
+(the metrics every process computes are the pod's global ones).
+
 W&B is used only when ``logging.wandb`` is true; if wandb is then not importable the logger
 raises :class:`ConfigError` naming ``logging.wandb`` at construction, before any training,
 rather than silently running without it.
@@ -333,6 +336,19 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullLogger:
+    """The logger of every process but process 0 of a pod: the sinks exist once per run."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Nothing: process 0 logs the pod's (global) metrics."""
+
+    def log_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+        """Nothing: process 0 logs the samples of its slice (the step's first rows)."""
+
+    def close(self) -> None:
+        """Nothing to close."""
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

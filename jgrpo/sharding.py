@@ -5,6 +5,13 @@ large matrix), `tensor` (heads, mlp, vocab). Parameters carry logical names (see
 models/transformer.py); one rules table maps them to mesh axes and `mesh.rules` overrides
 entries. Batches are split over data x fsdp on their leading axis. Multi-host batches enter
 through `jax.make_array_from_process_local_data`.
+
+Pods (several processes): the data axis runs over hosts first. Each host's devices form
+`data / num_processes` contiguous rows of the mesh whenever fsdp x tensor divides the devices of
+one host (`mesh_utils.create_hybrid_device_mesh` with the process as the granule: fsdp and
+tensor collectives stay on a host's fast links, only the gradient all-reduce over data crosses
+hosts). A larger fsdp x tensor spans hosts in process order. `host_local` then views one host's
+replica of the parameters (no copy) on a mesh of that host's devices only, for per-host sampling.
 """
 
 from __future__ import annotations
@@ -52,7 +59,24 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    auto = (AxisType.Auto,) * 3
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+    data, fsdp, tensor = shape
+    per_host = len(devices) // len(processes)
+    if per_host % (fsdp * tensor) == 0 and data % len(processes) == 0:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (data // len(processes), fsdp, tensor),
+            (len(processes), 1, 1),
+            devices=devices,
+            process_is_granule=True,
+        )
+    else:  # a model replica spans hosts: fsdp/tensor groups run over hosts in process order
+        grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def make_rules(mesh_cfg: MeshConfig) -> dict[str, str | None]:
@@ -125,3 +149,47 @@ def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array
 
 def shard_params(params: dict, shardings: dict) -> dict:
     return jax.tree.map(jax.device_put, params, shardings)
+
+
+def host_mesh(mesh: Mesh) -> Mesh:
+    """The rows of `mesh` that hold this process's devices, as a mesh of their own.
+
+    Raises ConfigError when this process's devices are not whole rows of the data axis (a
+    model replica spans hosts: mesh.fsdp x mesh.tensor > devices per host)."""
+    me = jax.process_index()
+    local = np.vectorize(lambda d: d.process_index == me)(mesh.devices)
+    rows = [r for r in range(mesh.devices.shape[0]) if local[r].all()]
+    if not rows or local.sum() != local[rows].sum():
+        raise ConfigError(
+            f"mesh: fsdp x tensor = {mesh.shape['fsdp'] * mesh.shape['tensor']} spans more than "
+            f"one host ({jax.local_device_count()} devices): rollout.backend=local samples per "
+            "host and needs a whole model replica on each; lower mesh.fsdp/mesh.tensor or use "
+            "rollout.backend=ray"
+        )
+    return Mesh(mesh.devices[rows], mesh.axis_names, axis_types=mesh.axis_types)
+
+
+def host_local(tree: Any, local_mesh: Mesh) -> Any:
+    """This host's replica of globally sharded arrays, on `local_mesh` (`host_mesh`); no copy.
+
+    Each leaf keeps its PartitionSpec; a leaf sharded over `data` has no replica on one host
+    (ConfigError). Single-process arrays are returned as they are."""
+    if jax.process_count() == 1:
+        return tree
+
+    def view(x):
+        spec = x.sharding.spec
+        if any("data" in (p if isinstance(p, tuple) else (p,)) for p in spec if p is not None):
+            raise ConfigError(
+                "mesh.rules: a parameter sharded over `data` has no whole replica on one host; "
+                "per-host sampling (rollout.backend=local) needs params off the data axis"
+            )
+        local = NamedSharding(local_mesh, spec)
+        want = local.addressable_devices_indices_map(x.shape)
+        have = x.sharding.addressable_devices_indices_map(x.shape)
+        if any(have[d] != index for d, index in want.items()):
+            raise ValueError(f"host_local: {spec} places shards differently on the host mesh")
+        shards = {s.device: s.data for s in x.addressable_shards}
+        return jax.make_array_from_single_device_arrays(x.shape, local, [shards[d] for d in want])
+
+    return jax.tree.map(view, tree)

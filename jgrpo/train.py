@@ -14,6 +14,13 @@ LoRA (model.lora.rank > 0): fresh adapters (seeded by grpo.seed) over the base o
 the train state's params are the adapters, the base is the step's `frozen` argument and the
 backend's frozen tree (published once), so checkpoints hold adapters + optimizer state and a
 resume re-reads the base from model.path.
+
+Pods: every process runs this same loop over the global mesh (jgrpo.distributed). Each feeds
+only its slice of the step's rows (rollout/local.py: every process advances the same data
+stream and keeps its contiguous prompts); the train step is one global program; checkpoints are
+saved and restored collectively by Orbax (every process calls save/restore, each writes its
+shards; the run folder must be on a filesystem every host sees); only process 0 writes
+config.yaml, metrics.jsonl, TensorBoard, W&B, plots and the console progress.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import sharding, step
+from jgrpo import distributed, sharding, step
 from jgrpo.checkpoint import Checkpointer
-from jgrpo.config import Config, to_dict
-from jgrpo.metrics import MetricsLogger, plot_run
+from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.metrics import MetricsLogger, NullLogger, plot_run
 from jgrpo.models import from_pretrained, model_options
 from jgrpo.models.adapters import attach_lora, merge_lora
 from jgrpo.models.lora import spec_from_config
@@ -82,6 +89,23 @@ def check_run(cfg: Config) -> None:
         from jgrpo.rollout.ray_backend import check_ray_address
 
         check_ray_address(cfg.rollout.ray_address)
+    check_pod(cfg, jax.process_count())
+
+
+def check_pod(cfg: Config, num_processes: int) -> None:
+    """What a run over several processes needs beyond a one-process run."""
+    if num_processes == 1:
+        return
+    if cfg.grpo.num_prompts_per_step % num_processes:
+        raise ConfigError(
+            f"grpo.num_prompts_per_step: {cfg.grpo.num_prompts_per_step} prompts do not split "
+            f"over {num_processes} processes (each host generates whole prompt groups)"
+        )
+    if cfg.rollout.backend != "local":
+        raise ConfigError(
+            "rollout.backend: only `local` runs on a multi-process pod so far (each host "
+            "samples its slice with its own replica); see the README's pod section"
+        )
 
 
 def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None) -> Trainer:
@@ -89,7 +113,8 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     # ConfigError before the model loads
     task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    if distributed.is_primary():
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     folder = resolve_model_path(cfg.model.path)
     model = from_pretrained(folder, **model_options(cfg.model))
@@ -99,6 +124,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     built = step.build_step(cfg, model)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
+    distributed.watch_checkpoints(checkpointer.directory)
     start = 0
     restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
     if restored is not None:
@@ -120,7 +146,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         frozen=built.frozen,
         graphdef=built.graphdef,
         hparams=built.hparams,
-        step_fn=built.step_fn,
+        step_fn=distributed.align_first_runs(built.step_fn),
         task=task,
         backend=backend,
         checkpointer=checkpointer,
@@ -132,12 +158,15 @@ def _size(tree) -> int:
     return sum(x.size for x in jax.tree.leaves(tree))
 
 
-def policy_model(t: Trainer):
+def policy_model(t: Trainer, view=None):
     """The current policy as a plain Transformer (LoRA adapters merged into the base): what
-    an HF export of the run holds."""
-    full = t.state.params if t.frozen is None else t.frozen | t.state.params
+    an HF export of the run holds. `view` maps each parameter tree first (on a pod: this
+    host's replica, `sharding.host_local`)."""
+    view = view or (lambda tree: tree)
+    full = view(t.state.params) if t.frozen is None else view(t.frozen) | view(t.state.params)
     model = nnx.merge(t.graphdef, full)
-    model.activation_sharding = None  # the trainer's constraint; this model is exported
+    # the trainer's constraints; this model is exported
+    model.activation_sharding = model.head_sharding = None
     return merge_lora(model)
 
 
@@ -178,9 +207,12 @@ def run(
     t = setup(cfg, run_dir, resume, datasets)
     g, k = cfg.grpo, cfg.rollout.max_staleness
     resume_step = t.start_step if resume else None
-    logger = MetricsLogger(
-        run_dir, cfg.logging, g.max_num_steps, resume_step=resume_step, run_config=to_dict(cfg)
-    )
+    if distributed.is_primary():
+        logger = MetricsLogger(
+            run_dir, cfg.logging, g.max_num_steps, resume_step=resume_step, run_config=to_dict(cfg)
+        )
+    else:
+        logger = NullLogger()
     data_states: dict[int, dict] = {}
     history: list[dict] = []
     done = t.start_step
@@ -221,7 +253,7 @@ def run(
         t.task.close()  # the reward child process, if any
         t.backend.close()
         t.checkpointer.close()
-    if cfg.logging.plot:
+    if cfg.logging.plot and distributed.is_primary():
         plot_run(run_dir)
     return history
 
@@ -245,8 +277,9 @@ def train_one_step(
         data_states[nxt] = t.task.train.state()
         t.backend.request(nxt, t.task.train.next_prompts(g.num_prompts_per_step))
     total_s = time.perf_counter() - start
-    tokens = float(result.batch["lengths"].sum())
-    staleness = s - result.batch["weight_version"]
+    rows = distributed.allgather_rows({k: result.batch[k] for k in ("lengths", "weight_version")})
+    tokens = float(rows["lengths"].sum())
+    staleness = s - rows["weight_version"]
     return {
         "loss": metrics["loss/total"],
         **metrics,
@@ -268,13 +301,18 @@ FINAL_DIR = "final"
 def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
-    folder is replaced atomically."""
+    folder is replaced atomically. On a pod only process 0 writes it."""
     from jgrpo.models.hf import save_pretrained
     from jgrpo.models.sources import atomic_folder
 
+    local = None
+    if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
+        if not distributed.is_primary():
+            return out
+        local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.mesh))  # noqa: E731
     folder = resolve_model_path(t.cfg.model.path)
     with atomic_folder(out, overwrite=True) as tmp:
-        save_pretrained(policy_model(t), tmp, source=folder)
+        save_pretrained(policy_model(t, local), tmp, source=folder)
     return out
 
 

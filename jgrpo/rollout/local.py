@@ -5,11 +5,36 @@ With LoRA those are the adapters; the frozen base given at construction complete
 shallow dict union: the two trees have disjoint top-level keys) for every generate call.
 Generation is lazy: `request` records the examples, `collect` samples with the newest
 published params, so it is always on-policy (rollout.max_staleness must be 0).
+
+On a pod (several processes) every process is handed the same examples (all advance the same
+data stream) and keeps its contiguous slice (`distributed.process_slice`): it generates and
+scores only those prompts, with draws keyed by the global row index (`first_prompt`) and group
+ids shifted to the step's global prompt index, so the rows are exactly those of the same rows
+of a one-process run. It samples with its own host's replica of the globally sharded params
+(`sharding.host_local`: a view of the shards already on its devices, on a mesh of those devices
+only), so generation is a per-host program with no cross-host traffic; the batch it returns
+holds its rows only (left-padded to the widest host's width, so every host feeds the global
+batch the same shape). The batch statistics are computed over the gathered rows of all hosts
+(a few scalars per row), so every process reports the one-process numbers.
 """
 
 from __future__ import annotations
 
-from jgrpo.rollout.engine import VALIDATION_SALT, RolloutEngine, RolloutResult, step_key
+import jax
+import numpy as np
+
+from jgrpo import distributed, sharding
+from jgrpo.rollout.engine import (
+    REWARD_FAILURE_KEYS,
+    VALIDATION_SALT,
+    RolloutEngine,
+    RolloutResult,
+    batch_stats,
+    step_key,
+)
+
+_PADDED = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
+"""The [B, T] arrays; every other key of a rollout batch is per row (statistics rows)."""
 
 
 class LocalRollout:
@@ -25,24 +50,59 @@ class LocalRollout:
         self.num_generations = num_generations
         self.params = None
         self.version = -1
-        self.pending: dict[int, list] = {}
+        self.pending: dict[int, tuple[list, int]] = {}
+        self._host_mesh = None
 
     def publish(self, params, version: int) -> dict[str, float]:
+        if distributed.is_multiprocess():
+            if self._host_mesh is None:
+                self._host_mesh = sharding.host_mesh(jax.tree.leaves(params)[0].sharding.mesh)
+            params = sharding.host_local(params, self._host_mesh)
         self.params, self.version = params, version
         return {"rollout/weight_sync_s": 0.0}
 
     def request(self, step: int, examples: list) -> None:
-        self.pending[step] = examples
+        lo, hi = distributed.process_slice(len(examples))
+        self.pending[step] = (examples[lo:hi], lo)
 
     def collect(self, step: int) -> RolloutResult:
-        examples = self.pending.pop(step)
+        examples, first = self.pending.pop(step)
         key = step_key(self.seed, step)
-        return self.engine.rollout(
-            self.graphdef, self._model_params(), examples, key, self.version, self.num_generations
+        result = self.engine.rollout(
+            self.graphdef,
+            self._model_params(),
+            examples,
+            key,
+            self.version,
+            self.num_generations,
+            first_prompt=first,
         )
+        if not distributed.is_multiprocess():
+            return result
+        batch = dict(result.batch)
+        batch["group_ids"] = batch["group_ids"] + first
+        width = max(int(w) for w in distributed.allgather(np.int64(batch["input_ids"].shape[1])))
+        pad = width - batch["input_ids"].shape[1]
+        if pad:  # another host's prompts took a wider bucket: left-pad to the common width
+            for k in _PADDED:
+                batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
+        _, stats = _gather_stats(batch, result.stats, result.reward_names)
+        return RolloutResult(batch, stats, result.samples, result.reward_names)
 
     def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
         key = step_key(self.seed, step, salt=VALIDATION_SALT)
+        lo, hi = distributed.process_slice(len(examples))
+        if not distributed.is_multiprocess():
+            return self._evaluate(examples, key, pass_k, 0)
+        names = tuple(self.engine.task.reward_names)
+        if hi > lo:
+            result = self._evaluate(examples[lo:hi], key, pass_k, lo)
+            batch, stats = result.batch, result.stats
+        else:  # fewer examples than processes: this host has none
+            batch, stats = {}, dict.fromkeys(REWARD_FAILURE_KEYS, 0.0)
+        return RolloutResult(*_gather_stats(batch, stats, names), [], names)
+
+    def _evaluate(self, examples: list, key, pass_k: int, first: int) -> RolloutResult:
         return self.engine.rollout(
             self.graphdef,
             self._model_params(),
@@ -51,6 +111,7 @@ class LocalRollout:
             self.version,
             pass_k,
             greedy=pass_k == 1,
+            first_prompt=first,
         )
 
     def _model_params(self):
@@ -58,3 +119,12 @@ class LocalRollout:
 
     def close(self) -> None:
         pass
+
+
+def _gather_stats(batch: dict, local_stats: dict, names) -> tuple[dict, dict[str, float]]:
+    """(every host's per-row arrays, batch_stats of them + the summed reward-failure counts)."""
+    rows = distributed.allgather_rows({k: v for k, v in batch.items() if k not in _PADDED})
+    counts = distributed.allgather(np.asarray([local_stats[k] for k in REWARD_FAILURE_KEYS]))
+    total = np.sum(counts, axis=0)
+    failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    return rows, batch_stats(rows, names) | failures

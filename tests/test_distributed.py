@@ -1,0 +1,254 @@
+"""Multi-host pods: the process spec, and a real 2-process pod on one machine vs one process.
+
+The pod test runs `jgrpo train` as subprocesses: each sets its own fake CPU device count
+(4 per process on the pod, 8 for the one-process reference) and joins a loopback coordinator
+with gloo collectives, exactly as hosts of a GPU pod join process 0.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jgrpo import distributed
+from jgrpo.checkpoint import latest_complete_step
+from jgrpo.cli import main
+from jgrpo.config import ConfigError
+from jgrpo.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+# ----------------------------------------------------------------------------- the spec
+
+
+def test_flags_win_over_env_and_slurm():
+    env = {"JGRPO_COORDINATOR": "h:1", "JGRPO_NUM_PROCESSES": "4", "JGRPO_PROCESS_ID": "3"}
+    env |= {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}
+    spec = distributed.resolve_spec("10.0.0.1:1234", 2, 1, environ=env)
+    assert (spec.coordinator, spec.num_processes, spec.process_id, spec.source) == (
+        "10.0.0.1:1234",
+        2,
+        1,
+        "flags",
+    )
+    spec = distributed.resolve_spec(environ=env | {"JGRPO_PEER_TIMEOUT": "7"})
+    assert (spec.coordinator, spec.num_processes, spec.process_id) == ("h:1", 4, 3)
+    assert (spec.source, spec.peer_timeout_s) == ("env", 7.0)
+
+
+def test_clusters_jax_detects_and_a_single_process():
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8", "SLURM_PROCID": "2"}
+    assert distributed.resolve_spec(environ=slurm).source == "slurm"
+    assert distributed.resolve_spec(environ={"OMPI_COMM_WORLD_SIZE": "2"}).source == "ompi"
+    assert distributed.resolve_spec(environ={"JAX_COORDINATOR_ADDRESS": "h:9"}).source == "jax-env"
+    # one task per node owns all the node's GPUs (jax alone would give it GPU SLURM_LOCALID)
+    per_node = {"SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "4", "SLURM_LOCALID": "0"}
+    assert distributed.resolve_spec(environ=slurm | per_node).local_device_ids == (0, 1, 2, 3)
+    per_gpu = per_node | {"SLURM_NTASKS_PER_NODE": "4"}
+    assert distributed.resolve_spec(environ=slurm | per_gpu).local_device_ids is None
+    # a one-task SLURM job and a laptop: no jax.distributed at all
+    assert distributed.resolve_spec(environ=slurm | {"SLURM_NTASKS": "1"}) is None
+    assert distributed.resolve_spec(environ={}) is None
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ((None, 2, 0), "--coordinator: missing"),
+        (("h:1", 2, None), "--process-id: missing"),
+        (("nohost", 2, 0), "--coordinator: expected HOST:PORT"),
+        (("h:1", 2, 2), r"process-id: must be in \[0, 2\)"),
+    ],
+)
+def test_partial_or_bad_specs_raise_one_line(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        distributed.resolve_spec(*flags, environ={})
+
+
+def test_cli_rejects_a_partial_pod_before_any_model_loads(capsys, tmp_path):
+    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path / "r"), "--num-processes", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "jgrpo: error: --coordinator: missing; a pod needs all of --coordinator, "
+        "--num-processes, --process-id"
+    ]
+    assert not (tmp_path / "r").exists()
+
+
+def test_process_slices_cover_the_step_in_order(monkeypatch):
+    pod = distributed._Pod(None, distributed.ProcessSpec("h:1", 3, 0, "flags"), 0, 3)
+    slices = []
+    for i in range(3):
+        pod.process_id = i
+        monkeypatch.setattr(distributed, "_POD", pod)
+        slices.append(distributed.process_slice(8))
+    assert slices == [(0, 2), (2, 5), (5, 8)]
+
+
+class FakeKV:
+    """The coordination service's key-value store, in memory (what the watchdog talks to)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.data[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.data:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.data[key]
+
+
+def test_watchdog_names_the_silent_peer_and_spares_a_finished_one(monkeypatch):
+    kv = FakeKV()
+    kv.data["jgrpo/done/2"] = "1"  # process 2 finished normally: silent, but not lost
+    kv.data["jgrpo/heartbeat/1"] = "5"  # process 1 beat once, then went silent
+    spec = distributed.ProcessSpec("h:1", 3, 0, "flags", peer_timeout_s=0.3)
+    pod = distributed._Pod(kv, spec, 0, 3)
+    pod.hosts = {1: "node-b"}
+    lost = []
+
+    def die(pod_, peer, why):
+        lost.append((peer, why))
+        pod_.stop.set()
+
+    monkeypatch.setattr(distributed, "_die", die)
+    start = time.monotonic()
+    distributed._watch(pod, interval_s=0.05)
+    assert [peer for peer, _ in lost] == [1]
+    assert "no heartbeat" in lost[0][1] and 0.3 <= time.monotonic() - start < 5
+    assert kv.data["jgrpo/heartbeat/0"] != "0"  # it beat its own counter meanwhile
+
+
+def test_watchdog_reports_a_lost_coordinator_as_process_0(monkeypatch):
+    class GoneKV(FakeKV):
+        def key_value_set(self, key, value, allow_overwrite=False):
+            raise RuntimeError("UNAVAILABLE: Socket closed")
+
+    spec = distributed.ProcessSpec("h:1", 2, 1, "flags", peer_timeout_s=5.0)
+    pod = distributed._Pod(GoneKV(), spec, 1, 2)
+    lost = []
+    monkeypatch.setattr(
+        distributed, "_die", lambda p, peer, why: (lost.append((peer, why)), p.stop.set())
+    )
+    distributed._watch(pod, interval_s=0.01)
+    assert lost[0][0] == 0 and "coordinator h:1" in lost[0][1]
+
+
+# ----------------------------------------------------------------------------- a real pod
+
+# Every group gets reward variance (a length reward), so losses and gradients are not 0.
+REWARD = (
+    "def length(prompts, completions, **kwargs):\n    return [len(c) / 8.0 for c in completions]\n"
+)
+# fsdp=2 within each host: parameters sharded on the pod, each host samples with its replica.
+OVERRIDES = [
+    "mesh.data=4",
+    "mesh.fsdp=2",
+    "grpo.max_num_steps=3",
+    "grpo.val_at_start=false",
+    "checkpoint.save_period=1",
+    "logging.tensorboard=false",
+    "data.reward_functions=[{function: 'pod_rewards:length', weight: 0.5}]",
+]
+COMPARED = ("loss", "loss/pg", "loss/total", "train/grad_norm", "reward/mean", "advantage/std")
+PEER_TIMEOUT = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, run_dir, num_processes, *extra) -> list[subprocess.Popen]:
+    """`jgrpo train` on `num_processes` processes x (8 / num_processes) fake CPU devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
+    # the resumed runs reuse the first runs' executables
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    base = [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir", run_dir]
+    pod = []
+    if num_processes > 1:
+        port = _free_port()
+        pod = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes)]
+        pod += ["--peer-timeout", str(PEER_TIMEOUT)]
+    procs = []
+    for i in range(num_processes):
+        ident = ["--process-id", str(i)] if num_processes > 1 else []
+        log = open(tmp_path / f"{Path(run_dir).name}.{i}.log", "w")
+        cmd = [*base, *pod, *ident, *extra, *OVERRIDES]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs, timeout=600) -> list[int]:
+    return [p.wait(timeout=timeout) for p in procs]
+
+
+def _log(tmp_path, run_dir, i) -> str:
+    return (tmp_path / f"{Path(run_dir).name}.{i}.log").read_text()
+
+
+def _assert_same_metrics(rows, reference, steps):
+    by_step = {r["step"]: r for r in rows}
+    ref = {r["step"]: r for r in reference}
+    for s in steps:
+        for key in COMPARED:
+            assert by_step[s][key] == pytest.approx(ref[s][key], abs=1e-5), (s, key)
+    # validation at the end is the pod's global accuracy, not process 0's slice
+    assert by_step[3]["val/accuracy"] == ref[3]["val/accuracy"]
+
+
+@pytest.mark.slow
+def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(tmp_path):
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    ref_procs = _launch(tmp_path, one, 1)
+    pod_procs = _launch(tmp_path, pod, 2)
+
+    # Kill process 1 once step 1 is checkpointed: process 0 must stop within a bound, naming it.
+    deadline = time.monotonic() + 500
+    while latest_complete_step(Path(pod) / "checkpoints") is None:
+        assert time.monotonic() < deadline and pod_procs[1].poll() is None, _log(tmp_path, pod, 0)
+        time.sleep(0.2)
+    pod_procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    rc0 = pod_procs[0].wait(timeout=120)
+    stopped_s = time.monotonic() - killed_at
+    survivor = _log(tmp_path, pod, 0)
+    assert rc0 == distributed.EXIT_LOST_PEER, survivor[-3000:]
+    assert "lost peer: process 1 of 2" in survivor
+    assert stopped_s < PEER_TIMEOUT + 30
+    assert _wait(ref_procs) == [0], _log(tmp_path, one, 0)[-3000:]
+    reference = read_metrics(one)
+    assert [r["step"] for r in reference] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0.1 for r in reference)  # nothing compared is trivially 0
+    assert abs(reference[1]["loss"]) > 1e-3 and abs(reference[2]["loss"]) > 1e-3
+
+    # The pod's checkpoint of step 1 (2 processes x 4 devices), also resumed by 1 x 8 devices.
+    resumed_step = latest_complete_step(Path(pod) / "checkpoints")
+    cross = str(tmp_path / "cross")
+    shutil.copytree(pod, cross)
+    pod_procs = _launch(tmp_path, pod, 2, "--resume")
+    cross_procs = _launch(tmp_path, cross, 1, "--resume")
+    assert _wait(pod_procs) == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
+    assert _wait(cross_procs) == [0], _log(tmp_path, cross, 0)[-3000:]
+
+    rows = read_metrics(pod)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
+    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
+    _assert_same_metrics(read_metrics(cross), reference, steps=range(resumed_step + 1, 4))
