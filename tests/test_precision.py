@@ -76,7 +76,9 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
     for r in rows:
         assert r["loss"] is not None and math.isfinite(r["loss"]), r
         assert r["train/skipped_updates"] == 0.0
-        assert r["train/grad_norm"] > 0
+        # a step whose groups all tie has zero advantages, hence a zero gradient: finite is the
+        # claim here
+        assert math.isfinite(r["train/grad_norm"])
 
 
 def chunked_vs_reference(model, batch, temperature, chunk):
