@@ -113,7 +113,8 @@ def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, mo
     # generation budget (rollout.max_new_tokens), not the padded width (1.197 vs 0.266 before).
     # A length reward makes every group informative (the untrained model solves nothing).
     (tmp_path / "length_reward.py").write_text(
-        "def length(prompt, completion, example):\n    return float(len(completion) % 3)\n"
+        "def length(prompts, completions, **columns):\n"
+        "    return [float(len(c) % 3) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
