@@ -5,7 +5,7 @@ docstring directly under them (read back by :func:`field_docs` for ``--show-conf
 Defaults are right for a real run; tiny sizes live in ``configs/tiny*.yaml``.
 
 Loading goes ``load_config(path, overrides)`` -> ``from_dict`` (types, unknown keys, choices)
--> ``validate`` (cross-field rules of REFERENCE.md). Every failure raises :class:`ConfigError`
+-> ``validate`` (cross-field rules of docs/losses.md). Every failure raises :class:`ConfigError`
 with one line naming the dotted key and what is allowed; nothing heavy is imported here, so
 the CLI can reject bad input before any model or worker starts.
 
@@ -368,7 +368,7 @@ class Config:
 
     @property
     def skip_prev(self) -> bool:
-        """The prev-logprob forward is absent (REFERENCE.md: the threshold needs real lo)."""
+        """The prev-logprob forward is absent (docs/losses.md: the threshold needs real lo)."""
         return self.loss.force_on_policy_ratio and self.grpo.seq_logprob_error_threshold is None
 
     @property
@@ -608,7 +608,7 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Cross-field rules of REFERENCE.md and range checks; raises ConfigError."""
+    """Cross-field rules of docs/losses.md and range checks; raises ConfigError."""
     g, loss, adv, ro, opt = cfg.grpo, cfg.loss, cfg.grpo.advantage, cfg.rollout, cfg.optim
     for key, value in [
         ("grpo.num_prompts_per_step", g.num_prompts_per_step),

@@ -48,7 +48,7 @@ Outputs (numpy, `Generation`): tokens [B, N] (the stop token included, pad_id af
 lengths [B] (tokens up to and including the stop token), truncated [B] (N tokens, no stop),
 and per-token logprobs aligned with tokens (0 after the end):
 - `logprobs`: log_softmax(logits / temperature)[token], the temperature-scaled distribution
-  BEFORE top-k / top-p filtering. This is what the trainer's forward reproduces (REFERENCE.md:
+  BEFORE top-k / top-p filtering. This is what the trainer's forward reproduces (docs/losses.md:
   training logits are divided by the sampling temperature), so it is the `lg` of the loss.
   With top-k/top-p on, the token was actually drawn from the filtered distribution, so `lg`
   slightly overstates its surprise relative to the sampler (the usual vLLM/NeMo convention).

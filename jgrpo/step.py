@@ -32,7 +32,7 @@ run uses the config's values). Moments are float32 whatever the parameter dtype 
 is initialised on float32 views and fed float32 gradients); updates are applied in float32 and
 cast to the parameter dtype.
 
-Inside one call, in order (REFERENCE.md "The logprob forwards and the static flags"):
+Inside one call, in order (docs/losses.md, the logprob forwards and the static flags):
   1. reference forward (only when compute_ref_logprobs: beta != 0),
   2. prev forward on the current params (only when compute_prev_logprobs: not skip_prev),
   3. seq-logprob-error masking, advantages (after 1-2: reinforce++ may use the KL in the reward),
