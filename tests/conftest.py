@@ -13,6 +13,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+TINY_MODEL_FIELDS = dict(
+    family="qwen2",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention_bias=True,
+)
+"""TransformerConfig fields of the tiny Qwen2-shaped model the step tests train (d 32, GQA)."""
+
 
 def make_rollout_batch(seed, num_prompts=4, group=4, prompt_len=5, total_len=14, vocab=64):
     """A synthetic rollout batch (the trainer -> step boundary) with ragged lengths."""

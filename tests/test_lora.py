@@ -10,7 +10,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import make_random_hf_model
+from conftest import TINY_MODEL_FIELDS, make_random_hf_model
 from flax import nnx
 
 from jgrpo.models import from_pretrained, save_pretrained
@@ -398,17 +398,7 @@ def test_lora_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- step invariances
 
-STEP_MODEL = dict(
-    family="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-)
+STEP_MODEL = TINY_MODEL_FIELDS
 
 
 def lora_step_on(mesh_shape, overrides):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_rollout_batch
+from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
 from jgrpo import losses, step, train
@@ -19,17 +19,7 @@ from jgrpo.models import Transformer, TransformerConfig
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
 
-MODEL = TransformerConfig(
-    family="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-)
+MODEL = TransformerConfig(**TINY_MODEL_FIELDS)
 
 
 def dtypes(tree) -> set[str]:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_rollout_batch
+from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
 from jgrpo import losses, sharding, step
@@ -14,17 +14,7 @@ from jgrpo.batch import TrainBatch
 from jgrpo.config import ConfigError, load_config
 from jgrpo.models import Transformer, TransformerConfig
 
-MODEL = TransformerConfig(
-    family="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-)
+MODEL = TransformerConfig(**TINY_MODEL_FIELDS)
 BASE = [
     "grpo.num_prompts_per_step=4",
     "grpo.num_generations_per_prompt=4",
