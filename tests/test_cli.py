@@ -310,7 +310,6 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN05))
     reports = {}
     for fsdp in (1, 8):
-        start = time.perf_counter()
         code, out, err = run_cli(
             capsys,
             "inspect-step",
@@ -325,7 +324,6 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
         )
         assert code == 0, err
         reports[fsdp] = json.loads(out.strip().splitlines()[-1])
-        assert time.perf_counter() - start < 120
     assert reports[1]["num_params"] == 494_032_768  # Qwen2.5-0.5B
     assert reports[1]["param_bytes_per_device"] == 4 * 494_032_768
     ratio = reports[1]["param_bytes_per_device"] / reports[8]["param_bytes_per_device"]
