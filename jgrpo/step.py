@@ -62,7 +62,6 @@ from flax import nnx
 from jgrpo import losses, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, ConfigError, LossConfig
-from jgrpo.models import kernels
 
 FORWARDS = ("ref", "prev", "policy")
 OPTIMIZER_HYPERPARAMS = ("learning_rate", "weight_decay", "max_grad_norm")
@@ -462,13 +461,7 @@ def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
         )
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
-    # the sampler's options too: bf16 rounds as written in both programs (see models/kernels)
-    return jax.jit(
-        fn,
-        donate_argnums=0,
-        out_shardings=out_shardings,
-        compiler_options=kernels.COMPILER_OPTIONS,
-    )
+    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, replicated):
