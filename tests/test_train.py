@@ -95,6 +95,8 @@ def test_validation_pass_at_k_groups_samples_by_example():
         mesh=None,
         state=None,
         ref_params=None,
+        frozen=None,
+        graphdef=None,
         hparams=None,
         step_fn=None,
         task=Task(),
