@@ -239,9 +239,8 @@ def _ratio(a, b):
 
 # ------------------------------------------------------------------------ sampler
 def bench_sampler_vs_transformers(quick: bool, with_smollm2: bool, limits: dict) -> dict:
-    import torch
-
     import bench_sampler
+    import torch
 
     torch.set_num_threads(bench_sampler.THREADS)
     results = {}
