@@ -44,6 +44,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
+TREE = Path(__import__("jgrpo").__file__).resolve().parents[1]
+"""The jgrpo being measured (PYTHONPATH may point at another checkout, e.g. an older commit
+for a before/after): its configs/tiny.yaml and CLI are used."""
 TINY_MODEL = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -91,7 +94,7 @@ def config_for(size: str, variant: str, model_path: str):
 
     _, prompts, gens, bucket, new = SIZES[size]
     return load_config(
-        str(ROOT / "configs" / "tiny.yaml"),
+        str(TREE / "configs" / "tiny.yaml"),
         [
             f"model.path={model_path}",
             f"grpo.num_prompts_per_step={prompts}",
@@ -191,9 +194,17 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
     _, prompts, gens, bucket, new = SIZES[size]
     out = {}
     for variant, rows in records.items():
-        med = {
-            phase: _median([r.get(key) for r in rows]) for phase, key in PHASES.items()
-        }
+        med = {phase: _median([r.get(key) for r in rows]) for phase, key in PHASES.items()}
+        # the trainer's own host work between the phases: next prompts, row statistics
+        med["other (host)"] = _median(
+            [
+                r["perf/step_s"]
+                - r["perf/generation_s"]
+                - r["perf/train_s"]
+                - r.get("rollout/weight_sync_s", 0.0)
+                for r in rows
+            ]
+        )
         train_flops = flops[variant]
         gen_flops = generation_flops(model_cfg, prompts * gens, bucket, new)
         out[variant] = {
@@ -292,7 +303,7 @@ def _weight_bytes(m) -> int:
 def bench_compile(workdir: Path) -> dict:
     """The tiny config's first two steps in fresh processes sharing one fresh cache."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(workdir / "xla-cache"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(ROOT)]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TREE), env.get("PYTHONPATH")]))
     out = {}
     for label in ("cold", "warm"):
         run_dir = workdir / f"compile-{label}"
@@ -301,7 +312,7 @@ def bench_compile(workdir: Path) -> dict:
             [sys.executable, "-m", "jgrpo.cli", "train", "--config", "configs/tiny.yaml"]
             + ["--run-dir", str(run_dir), "grpo.max_num_steps=2", "grpo.val_at_start=false"]
             + ["grpo.val_at_end=false", "logging.tensorboard=false"],
-            cwd=ROOT,
+            cwd=TREE,
             env=env,
             check=True,
             capture_output=True,
@@ -339,7 +350,7 @@ def print_report(report: dict) -> None:
             f"{m['new_tokens']}) tokens); medians, ms"
         )
         print(f"{'phase':28s}{'on-policy':>12s}{'off-policy':>12s}")
-        for phase in PHASES:
+        for phase in (*PHASES, "other (host)"):
             cells = [fmt(r[v]["phases_s"][phase], 1e3) for v in VARIANTS]
             print(f"{phase:28s}" + "".join(f"{c:>12s}" for c in cells))
         rows = (
@@ -402,6 +413,7 @@ def main(argv=None) -> dict:
     rounds, steps = (1, 2) if args.smoke else (args.rounds, args.steps)
     report = {
         "label": args.label,
+        "jgrpo_tree": str(TREE),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpu": platform.processor() or platform.machine(),
         "cores": len(os.sched_getaffinity(0)),
