@@ -31,8 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check jgrpo tests tools
 
 bench: $(STAMP)
-	$(BIN)/python tools/bench_sampler.py
-	$(BIN)/python tools/bench_step.py
+	$(BIN)/python tools/bench.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

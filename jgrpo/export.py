@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jgrpo import compile_cache
 from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
 from jgrpo.models.sources import atomic_folder, resolve_model_path
 
@@ -136,6 +137,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
     from jgrpo.tasks import make_task
 
+    compile_cache.enable()
     task = make_task(cfg.data, cfg.grpo.seed)
     if checkpoint is not None:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jgrpo import step
+from jgrpo import compile_cache, step
 from jgrpo.config import Config
 from jgrpo.models import Transformer, config_from_hf, model_options
 from jgrpo.models.lora import with_lora
@@ -178,6 +178,7 @@ def _count(tree) -> int:
 
 def inspect_step(cfg: Config, compile: bool = True) -> dict:
     start = time.perf_counter()
+    compile_cache.enable()
     model_cfg = model_config_of(cfg)
     abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     step.check_batch_split(cfg, jax.device_count())

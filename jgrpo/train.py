@@ -36,7 +36,7 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import distributed, sharding, step
+from jgrpo import compile_cache, distributed, sharding, step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.metrics import MetricsLogger, NullLogger, plot_run
@@ -110,6 +110,7 @@ def check_pod(cfg: Config, num_processes: int) -> None:
 
 def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None) -> Trainer:
     check_run(cfg)
+    compile_cache.enable()
     # ConfigError before the model loads
     task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -170,6 +170,15 @@ def bench(
     if temperature == 0:
         same = (gen.tokens == hf_out[:, prompt_len:].numpy()).all(axis=1)
         print(f"greedy rows identical to transformers: {int(same.sum())}/{batch}")
+    for row in rows.values():
+        del row["out"]
+    return {
+        "rows": rows,
+        "model_cfg": model.cfg,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+    }
 
 
 def main(argv=None):

@@ -209,8 +209,19 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts, kernels: str = "auto", causal: b
     )
 
 
+def _project(x, w, contract: int = 1):
+    """x [..., K] @ w [K, ...] with K = w's first `contract` axes (x's last ones), as ONE 2-D
+    dot over the flattened tokens: [tokens, K] @ [K, out]. Left as an einsum over b, t XLA:CPU
+    transposes operands of the backward's weight-gradient dots (two contracting axes, b and t):
+    the 2-D form made the tiny model's MLP gradient 1.8x faster, same math."""
+    k_shape = w.shape[:contract]
+    lead = x.shape[: x.ndim - contract]
+    y = jnp.dot(x.reshape(-1, math.prod(k_shape)), w.reshape(math.prod(k_shape), -1))
+    return y.reshape(*lead, *w.shape[contract:])
+
+
 def _dense(x, w, b=None):
-    y = jnp.einsum("btd,d...->bt...", x, w)
+    y = _project(x, w)
     return y if b is None else y + b
 
 
@@ -256,9 +267,9 @@ def _layer_qkv(p, cfg, x_btd, rope):
 def _layer_out(p, cfg, x_btd, attn_btnh):
     if "qkv" in p:  # fused (inference) layout: o is [n * h, d]
         b, t = attn_btnh.shape[:2]
-        x_btd = x_btd + jnp.einsum("btx,xd->btd", attn_btnh.reshape(b, t, -1), p["o"])
+        x_btd = x_btd + _project(attn_btnh.reshape(b, t, -1), p["o"])
     else:
-        o_btd = jnp.einsum("btnh,nhd->btd", attn_btnh, p["o"])
+        o_btd = _project(attn_btnh, p["o"], contract=2)
         x_btd = x_btd + lora_lib.add_delta(o_btd, p, "o", attn_btnh, cfg.lora)
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     if "gate_up" in p:  # fused (inference) layout
@@ -267,7 +278,7 @@ def _layer_out(p, cfg, x_btd, attn_btnh):
         gate_btf = lora_lib.add_delta(_dense(h_btd, p["gate"]), p, "gate", h_btd, cfg.lora)
         up_btf = lora_lib.add_delta(_dense(h_btd, p["up"]), p, "up", h_btd, cfg.lora)
     act_btf = jax.nn.silu(gate_btf) * up_btf
-    down_btd = jnp.einsum("btf,fd->btd", act_btf, p["down"])
+    down_btd = _project(act_btf, p["down"])
     return x_btd + lora_lib.add_delta(down_btd, p, "down", act_btf, cfg.lora)
 
 

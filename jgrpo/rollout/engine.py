@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Any
 
 import jax
@@ -59,12 +60,17 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     counts = {k: float(sum(r.stats[k] for r in results)) for k in REWARD_FAILURE_KEYS}
+    # workers run side by side: a phase lasts as long as its slowest worker
+    counts |= {k: max(r.stats[k] for r in results) for k in PHASE_KEYS if k in results[0].stats}
     samples = [s for r in results for s in r.samples]
     names = results[0].reward_names
     return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
+PHASE_KEYS = ("perf/sample_s", "perf/detokenize_s", "perf/reward_s")
+"""Seconds of a rollout's phases: the sampler (tokens out, on the host), tokenizer decode of
+the completions, and reward scoring (the task's verifier or reward functions)."""
 
 
 def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, float]:
@@ -139,6 +145,7 @@ class RolloutEngine:
         texts, token_lists = self.prompts(examples)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
         params_s = self.greedy_params if greedy else self.train_params
+        start = time.perf_counter()
         gen = sampling.generate(
             (graphdef, params),
             [token_lists[i] for i in rows],
@@ -146,6 +153,7 @@ class RolloutEngine:
             key,
             first_row=first_prompt * num_generations,
         )
+        sampled = time.perf_counter()
         completions = [
             self.tokenizer.decode(gen.tokens[b, : gen.lengths[b]], skip_special_tokens=True)
             for b in range(len(rows))
@@ -155,9 +163,11 @@ class RolloutEngine:
             gen.tokens[b, : gen.lengths[b] - (0 if gen.truncated[b] else 1)].tolist()
             for b in range(len(rows))
         ]
+        decoded = time.perf_counter()
         rewards, info = self.task.score(
             [texts[i] for i in rows], completions, row_examples, completion_ids
         )
+        scored = time.perf_counter()
         batch = assemble_batch(gen, rows, rewards, version)
         batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
         if info["correct"] is not None:
@@ -170,6 +180,9 @@ class RolloutEngine:
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
             "reward/num_none": float(info["num_reward_none"]),
+            "perf/sample_s": sampled - start,
+            "perf/detokenize_s": decoded - sampled,
+            "perf/reward_s": scored - decoded,
         }
         samples = [
             {

@@ -25,6 +25,7 @@ import numpy as np
 
 from jgrpo import distributed, sharding
 from jgrpo.rollout.engine import (
+    PHASE_KEYS,
     REWARD_FAILURE_KEYS,
     VALIDATION_SALT,
     RolloutEngine,
@@ -127,4 +128,5 @@ def _gather_stats(batch: dict, local_stats: dict, names) -> tuple[dict, dict[str
     counts = distributed.allgather(np.asarray([local_stats[k] for k in REWARD_FAILURE_KEYS]))
     total = np.sum(counts, axis=0)
     failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
-    return rows, batch_stats(rows, names) | failures
+    phases = {k: local_stats[k] for k in PHASE_KEYS if k in local_stats}  # this host's
+    return rows, batch_stats(rows, names) | failures | phases

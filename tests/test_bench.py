@@ -1,0 +1,39 @@
+"""`make bench` (tools/bench.py) at smoke size, so the benchmark cannot rot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, "tools/bench.py", "--smoke", "--no-compile", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("== GRPO step, tiny", "train / matmul limit", "prev logprob forward", "A tiny"):
+        assert line in out.stdout, out.stdout
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert report["machine"]["matmul_flops_per_s"] > 1e9
+    assert report["machine"]["memory_read_bytes_per_s"] > 1e8
+    tiny = report["steps"]["tiny"]
+    on, off = tiny["on-policy"], tiny["off-policy"]
+    # the prev forward is in the off-policy program only: one more forward's flops
+    assert off["train_flops"] > on["train_flops"] > 0
+    for variant in (on, off):
+        phases = variant["phases_s"]
+        assert phases["train"] > 0 and phases["generation"] >= phases["  sample"] > 0
+        assert 0 < variant["train_vs_matmul_limit"] < 2
+    sampler = report["sampler"]["A tiny"]
+    assert sampler["jgrpo_tokens_per_s"] > 0 and sampler["decode_vs_bandwidth_limit"] > 0
+    assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json
