@@ -146,8 +146,9 @@ class LogitShardings(NamedTuple):
     logit reduce over the vocab slices. The head is never gathered whole: moving it from its
     stored layout (d split) to this one is an all-to-all of 1/(fsdp x tensor) of it, and its
     gradient comes back the same way. Per device, the matmul flops and the chunk's logits are
-    the same as a batch-split chunk's. The vocab-parallel fields are None when the vocab does
-    not divide fsdp x tensor (the head is then gathered, as propagation decides)."""
+    the same as a batch-split chunk's. The vocab-parallel fields are None when fsdp x tensor
+    is 1 (the head is whole on every device already) or does not divide the vocab (the head is
+    then gathered, as propagation decides)."""
 
     head: NamedSharding
     """The stored head parameter's own sharding (embed [v, d] when tied, else lm_head [d, v]):
@@ -167,14 +168,13 @@ def logit_shardings(mesh: Mesh, head: NamedSharding, vocab_size: int) -> LogitSh
     vocab_axes = tuple(a for a in MESH_AXES if a != "data" and mesh.shape[a] > 1)
     split = math.prod(mesh.shape[a] for a in vocab_axes)
     out_bc = batch_sharding(mesh, 2)
-    if vocab_size % split:
+    if split == 1 or vocab_size % split:  # nothing to split, or no even split
         return LogitShardings(head, None, None, None, out_bc)
-    vocab = vocab_axes or None
     return LogitShardings(
         head=head,
-        head_vd=NamedSharding(mesh, PartitionSpec(vocab, None)),
+        head_vd=NamedSharding(mesh, PartitionSpec(vocab_axes, None)),
         rows_bcd=NamedSharding(mesh, PartitionSpec("data", None, None)),
-        logits_bcv=NamedSharding(mesh, PartitionSpec("data", None, vocab)),
+        logits_bcv=NamedSharding(mesh, PartitionSpec("data", None, vocab_axes)),
         out_bc=out_bc,
     )
 

@@ -428,7 +428,9 @@ class Transformer(nnx.Module):
         the trainer's `logit_shardings` the head is vocab-parallel (see
         `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
         stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
-        chunks in float32) and computes that slice's logits for the chunk's rows."""
+        chunks in float32) and computes that slice's logits for the chunk's rows. Otherwise
+        (no mesh, or one that does not split the vocab) the head is cast once, before the
+        chunk loop."""
         cfg = self.cfg
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
         b, t = input_ids_bt.shape
@@ -450,6 +452,8 @@ class Transformer(nnx.Module):
         stored = self._pin(stored, "head")
         head_vd = self._pin(stored if cfg.tie_word_embeddings else stored.T, "head_vd")
         vocab_parallel = self.logit_shardings is not None and self.logit_shardings.head_vd
+        if not vocab_parallel:  # whole (or gathered) on each device: cast once, before the loop
+            head_vd = head_vd.astype(cfg.jnp_dtype)
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def chunk(xs):
