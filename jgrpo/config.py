@@ -75,6 +75,9 @@ class ModelConfig:
     """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
     logprob_chunk_size: int = 128
     """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+    kernels: Literal["auto", "cpu", "portable"] = "auto"
+    """Platform kernels (jgrpo/models/kernels.py): auto = cpu on the CPU backend, portable
+    (jax.nn.dot_product_attention, jax.random) elsewhere."""
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
 

@@ -103,7 +103,7 @@ def load_checkpoint_model(path, cfg: Config | None = None):
         params = base | state.params
     model = nnx.merge(built.graphdef, params)
     # the trainer's constraints; this model samples and exports
-    model.activation_sharding = model.head_sharding = None
+    model.activation_sharding = model.logit_shardings = None
     return model, folder, cfg
 
 

@@ -7,8 +7,8 @@ folder holding only config.json is enough. JSON keys:
   counted (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its trip
   count; XLA's own `cost_analysis`, which counts a loop body once, is kept as
   `flops_xla_cost_analysis`); `flops_analytic` is the same quantity from the shapes alone
-  (`analytic_flops`), the cross-check (it models full fine-tuning: with LoRA the HLO count adds
-  the adapters' matmuls and drops the base weights' gradient matmuls).
+  (`analytic_flops`), the cross-check (full fine-tuning or LoRA: adapters' matmuls added, the
+  frozen weights' gradient matmuls dropped).
 - `param_bytes_per_device`, `opt_state_bytes_per_device`, `ref_param_bytes_per_device`: the
   largest shard of each tree: every parameter a device holds (trainable + frozen), the
   optimizer state (of the trainable ones), the separate reference copy (the full copy when
@@ -39,7 +39,7 @@ from flax import nnx
 from jgrpo import compile_cache, step
 from jgrpo.config import Config
 from jgrpo.models import Transformer, config_from_hf, model_options
-from jgrpo.models.lora import with_lora
+from jgrpo.models.lora import adapter_layout, with_lora
 from jgrpo.models.preflight import read_hf_config
 from jgrpo.models.sources import resolve_model_path
 
@@ -131,12 +131,16 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
     Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention
-    scores + values 4Tnh (the full T x T square: masking saves nothing); the LM head 2dV over
-    the chunk-padded positions. A forward is their sum over B x T tokens; a frozen forward
-    (ref, prev) costs 1 forward; the policy costs forward + backward (2 forwards) plus what
-    remat recomputes: the layers again (full) or their attention (dots), and always the head
-    (each logprob chunk is a jax.checkpoint). `model` leaves the recompute out (the numerator
-    of MFU), `step` includes it (what the compiled program executes)."""
+    scores + values 4Tnh (the full T x T square: masking saves nothing), LoRA adapters
+    2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
+    positions. A frozen forward (ref, prev) costs one forward; the policy costs its forward
+    and a backward. Full fine-tuning: the backward is 2 forwards (every matmul differentiates
+    both operands). LoRA: the frozen base weights and the (frozen) head take no weight
+    gradient, so their matmuls cost one more forward only (the activation gradient), while
+    attention and the adapters cost two; the reference forward is the base alone (adapters
+    skipped). Remat recomputes the layers again (full) or their attention (dots), and always
+    the head (each logprob chunk is a jax.checkpoint). `model` leaves the recompute out (the
+    numerator of MFU), `step` includes it (what the compiled program executes)."""
     m, g, ro = model_cfg, cfg.grpo, cfg.rollout
     b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
     d, n, k, h, f, v, l = (
@@ -150,14 +154,28 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
     )
     chunk = min(m.logprob_chunk_size or t, t)
     head_positions = -(-t // chunk) * chunk
-    attention = b * t * l * 4 * t * n * h
-    layers = b * t * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f) + attention
+    tokens = b * t
+    attention = tokens * l * 4 * t * n * h
+    weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)
+    adapters = 0
+    if m.lora is not None:
+        per_layer = sum(math.prod(shape) for shape, _ in adapter_layout(m).values()) // l
+        adapters = tokens * l * 2 * per_layer
     head = b * head_positions * 2 * d * v
+    base = weights + attention + head  # a forward without adapters
+    policy_forward = base + adapters
+    if m.lora is None:
+        backward = 2 * policy_forward
+        ref_forward = policy_forward
+    else:
+        backward = weights + head + 2 * (attention + adapters)
+        ref_forward = base
+    layers = weights + attention + adapters
     recompute = {"none": 0.0, "full": layers, "dots": attention}[m.remat] + head
-    frozen = (not cfg.skip_ref) + (not cfg.skip_prev)
-    model = frozen * (layers + head) + 3 * (layers + head)
+    frozen = (not cfg.skip_ref) * ref_forward + (not cfg.skip_prev) * policy_forward
+    model = frozen + policy_forward + backward
     return {
-        "forward": float(layers + head),
+        "forward": float(policy_forward),
         "model": float(model),
         "step": float(model + recompute),
     }

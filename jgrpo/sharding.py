@@ -17,7 +17,7 @@ replica of the parameters (no copy) on a mesh of that host's devices only, for p
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -134,6 +134,49 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+class LogitShardings(NamedTuple):
+    """Where `Transformer.token_logprobs` (the trainer's chunked LM head) puts its pieces.
+
+    Vocab-parallel head: inside the chunk loop the head [v, d] is split over the vocab on the
+    parameter axes (fsdp x tensor) with d whole, each chunk's activations [b, c, d] are gathered
+    over those axes (rows stay split over data), and each device computes the logits of its
+    vocab slice for every row, [b, c, v / (fsdp x tensor)]; the log-sum-exp and the picked
+    logit reduce over the vocab slices. The head is never gathered whole: moving it from its
+    stored layout (d split) to this one is an all-to-all of 1/(fsdp x tensor) of it, and its
+    gradient comes back the same way. Per device, the matmul flops and the chunk's logits are
+    the same as a batch-split chunk's. The vocab-parallel fields are None when fsdp x tensor
+    is 1 (the head is whole on every device already) or does not divide the vocab (the head is
+    then gathered, as propagation decides)."""
+
+    head: NamedSharding
+    """The stored head parameter's own sharding (embed [v, d] when tied, else lm_head [d, v]):
+    its gradient is pinned to it, so it is reduce-scattered there and accumulates sharded."""
+    head_vd: Optional[NamedSharding]
+    """The head [v, d] in the chunk loop: vocab over fsdp x tensor, d whole."""
+    rows_bcd: Optional[NamedSharding]
+    """A chunk's activations [b, c, d]: rows over data, whole over fsdp x tensor."""
+    logits_bcv: Optional[NamedSharding]
+    """A chunk's logits [b, c, v]: rows over data, vocab over fsdp x tensor."""
+    out_bc: NamedSharding
+    """A chunk's per-token results [b, c], back on the batch axes (data x fsdp)."""
+
+
+def logit_shardings(mesh: Mesh, head: NamedSharding, vocab_size: int) -> LogitShardings:
+    """The `LogitShardings` of a model with `vocab_size` whose stored head has sharding `head`."""
+    vocab_axes = tuple(a for a in MESH_AXES if a != "data" and mesh.shape[a] > 1)
+    split = math.prod(mesh.shape[a] for a in vocab_axes)
+    out_bc = batch_sharding(mesh, 2)
+    if split == 1 or vocab_size % split:  # nothing to split, or no even split
+        return LogitShardings(head, None, None, None, out_bc)
+    return LogitShardings(
+        head=head,
+        head_vd=NamedSharding(mesh, PartitionSpec(vocab_axes, None)),
+        rows_bcd=NamedSharding(mesh, PartitionSpec("data", None, None)),
+        logits_bcv=NamedSharding(mesh, PartitionSpec("data", None, vocab_axes)),
+        out_bc=out_bc,
+    )
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

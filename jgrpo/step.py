@@ -8,7 +8,8 @@ API (what train, inspect-step, export, the tests and the tools use):
   reference params and the jitted step. `model` may be concrete (its arrays are placed on the
   mesh) or abstract (`nnx.eval_shape`: the state is `jax.ShapeDtypeStruct`s carrying their
   shardings, for lowering without allocating anything).
-- `setup.step_fn(state, batch, hparams, ref_params, frozen=None) -> (state, metrics)`: jitted,
+- `setup.step_fn(state, batch, hparams, ref_params, frozen=None) -> (state, metrics)`: jitted
+  (a `TopLevelStep`: top-level calls and `.lower` compile with the sampler's XLA options),
   donates `state`, pins the output state's shardings (step two never recompiles). `batch` is a
   `jgrpo.batch.TrainBatch` (`setup.abstract_batch()` gives its abstract form);
   `setup.abstract_args()` all five abstract arguments.
@@ -63,6 +64,7 @@ from flax import nnx
 from jgrpo import losses, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, ConfigError, LossConfig
+from jgrpo.models import kernels
 
 FORWARDS = ("ref", "prev", "policy")
 OPTIMIZER_HYPERPARAMS = ("learning_rate", "weight_decay", "max_grad_norm")
@@ -455,7 +457,8 @@ def train_step(
 
 
 def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
-    """jit(train_step) for these flags; donates the state; pins the output state shardings."""
+    """jit(train_step) for these flags (a `TopLevelStep`: compiled with the sampler's XLA
+    options); donates the state; pins the output state shardings."""
 
     grad_shardings = None if state_shardings is None else state_shardings.params
 
@@ -473,7 +476,29 @@ def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
         )
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
-    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings)
+    return TopLevelStep(fn, donate_argnums=0, out_shardings=out_shardings)
+
+
+class TopLevelStep:
+    """`jax.jit(fn, **jit_kwargs)` whose top-level calls and `lower` compile with
+    `kernels.COMPILER_OPTIONS`: bfloat16 rounded after every op as written, as in the sampler's
+    programs, so the trainer's and the sampler's logprobs of the same tokens round alike (see
+    models/kernels.py). jax accepts `compiler_options` on a top-level jit only, and the step is
+    also traced inside other traces (`jax.make_jaxpr` in inspect-step and the tests, an outer
+    jit): called with tracers, it is the plain jit (its program is then the outer one's, under
+    the outer one's options)."""
+
+    def __init__(self, fn, **jit_kwargs):
+        self.nested = jax.jit(fn, **jit_kwargs)
+        self.top_level = jax.jit(fn, compiler_options=kernels.COMPILER_OPTIONS, **jit_kwargs)
+
+    def __call__(self, *args):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            return self.nested(*args)
+        return self.top_level(*args)
+
+    def lower(self, *args):
+        return self.top_level.lower(*args)
 
 
 def opt_state_shardings(tx, params_abstract, param_shardings, replicated):
@@ -519,23 +544,27 @@ def _reference_copy(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x.copy(), params)
 
 
-def constrained_graphdef(model: nnx.Module, activation_sharding, head_sharding):
+def constrained_graphdef(model: nnx.Module, activation_sharding, logit_shardings):
     """The graph def of `model` with its [b, t, d] activations pinned to the batch sharding
-    and its LM head to its parameter sharding inside each logprob chunk.
+    and its LM head laid out by `logit_shardings` (`sharding.LogitShardings`: vocab-parallel
+    inside the logprob chunks, its gradient pinned to the head's own sharding).
 
     Left to propagation, XLA resolved fsdp's conflict (rows and the embed axis of every weight
     both split over `fsdp`) by gathering the ACTIVATIONS: every device then held whole
     microbatches (the 1.5B inspect-step showed [32, 1088, 8960] buffers per device, 8x the
-    rows it owns). Pinned, it gathers the weights instead (FSDP). Likewise the head's
-    gradient: unpinned, each chunk's [d, V] float32 gradient and its accumulator stayed whole
-    on every device (~6 GB of the 1.5B step's temporaries). `model` itself is left as it was
-    (the sampler's graph stays unconstrained: its batches need not divide)."""
-    before = model.activation_sharding, model.head_sharding
-    model.activation_sharding, model.head_sharding = activation_sharding, head_sharding
+    rows it owns). Pinned, it gathers the weights instead (FSDP). The LM head is the exception:
+    gathered, it is the largest weight (a float32 copy per forward on XLA:CPU), so it stays
+    split over the vocab and the chunk's rows are gathered instead (a chunk's activations are
+    a few MB). Likewise the head's gradient: unpinned, each chunk's [d, V] float32 gradient and
+    its accumulator stayed whole on every device (~6 GB of the 1.5B step's temporaries).
+    `model` itself is left as it was (the sampler's graph stays unconstrained: its batches
+    need not divide)."""
+    before = model.activation_sharding, model.logit_shardings
+    model.activation_sharding, model.logit_shardings = activation_sharding, logit_shardings
     try:
         return nnx.graphdef(model)
     finally:
-        model.activation_sharding, model.head_sharding = before
+        model.activation_sharding, model.logit_shardings = before
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -614,7 +643,8 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
     abstract = _is_abstract(params)
     head = "embed" if model.cfg.tie_word_embeddings else "lm_head"
     head_sharding = sharding.param_shardings(nnx.state(model), mesh, rules)[head]
-    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3), head_sharding)
+    logits = sharding.logit_shardings(mesh, head_sharding, model.cfg.vocab_size)
+    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
     tx = make_optimizer(cfg)
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)

@@ -167,7 +167,7 @@ def policy_model(t: Trainer, view=None):
     full = view(t.state.params) if t.frozen is None else view(t.frozen) | view(t.state.params)
     model = nnx.merge(t.graphdef, full)
     # the trainer's constraints; this model is exported
-    model.activation_sharding = model.head_sharding = None
+    model.activation_sharding = model.logit_shardings = None
     return merge_lora(model)
 
 

@@ -274,6 +274,33 @@ def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_over_a_bfloat16_base_trains(tmp_path):
+    """Pure-bf16 base (model.dtype=bfloat16) with float32 adapters: the base stays bf16 and
+    unchanged, the adapters and their Adam moments are float32, and the steps are finite."""
+    from jgrpo import train
+    from jgrpo.config import load_config
+
+    cfg = load_config(TINY, [*QUIET, *LORA8, "model.dtype=bfloat16", "grpo.max_num_steps=2"])
+    t = train.setup(cfg, tmp_path / "run", resume=False)
+    try:
+        assert {str(x.dtype) for x in jax.tree.leaves(t.frozen)} == {"bfloat16"}
+        assert {str(x.dtype) for x in jax.tree.leaves(t.state.params)} == {"float32"}
+        base_before = jax.tree.map(np.asarray, t.frozen)
+        rows = run_steps(t, 2)
+        for r in rows:
+            assert np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0
+            assert np.isfinite(r["train/grad_norm"])
+            assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001  # bf16 sampler vs trainer
+        for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(t.frozen), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), a)
+        moments = [x for x in jax.tree.leaves(t.state.opt_state) if x.ndim > 0]
+        assert moments and all(x.dtype == jnp.float32 for x in moments)
+    finally:
+        t.backend.close()
+        t.checkpointer.close()
+
+
+@pytest.mark.slow
 def test_lora_step_holds_no_reference_copy():
     """inspect-step: with LoRA, beta != 0 adds no argument bytes to the compiled step (the
     reference is the base itself); without LoRA it adds the full reference copy."""
@@ -295,6 +322,11 @@ def test_lora_step_holds_no_reference_copy():
     assert 0 <= extra - full_kl["ref_param_bytes_per_device"] < scalars
     assert full_kl["ref_param_bytes_per_device"] > 100 * scalars
     assert "ref" in lora_kl["forwards"] and "ref" not in lora["forwards"]
+    # the analytic count models LoRA too (adapter matmuls, no frozen-weight gradients, the
+    # reference forward without adapters): it matches the count read from the compiled HLO
+    for r in (lora_kl, lora, full_kl, full):
+        assert r["flops"] == pytest.approx(r["flops_analytic"], rel=0.01)
+    assert lora["flops"] < full["flops"]  # no weight gradients of the base
     # sizes: every parameter is held, only the adapters train and have optimizer state
     assert lora["num_params"] == full["num_params"] + lora["num_trainable_params"]
     assert 0 < lora["num_trainable_params"] < full["num_params"] / 4

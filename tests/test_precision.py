@@ -11,8 +11,8 @@ import pytest
 from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
-from jgrpo import losses, step, train
-from jgrpo.config import load_config
+from jgrpo import losses, sharding, step, train
+from jgrpo.config import ConfigError, MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import Transformer, TransformerConfig
 
@@ -69,6 +69,35 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
         # a step whose groups all tie has zero advantages, hence a zero gradient: finite is the
         # claim here
         assert math.isfinite(r["train/grad_norm"])
+        # the sampler's prefill + decode and the trainer's forward are different programs of
+        # the same bf16 math, both compiled with kernels.COMPILER_OPTIONS (bf16 rounded as
+        # written): their logprobs of the sampled tokens agree to float32 noise (1.0000117
+        # measured; 1.011 on the test model when XLA may keep bf16 in float32 in fusions)
+        assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001
+
+
+@pytest.mark.slow
+def test_portable_kernels_train_the_tiny_config_on_cpu(tmp_path):
+    """model.kernels=portable runs the GPU/TPU code path (jax.nn.dot_product_attention, the
+    [b, s, k, h] cache, jax.random) on CPU, in the sampler and the trainer alike."""
+    cfg = load_config(TINY, [*QUIET, "model.kernels=portable", "grpo.max_num_steps=2"])
+    t = train.setup(cfg, tmp_path / "probe", resume=False)
+    try:
+        assert t.backend.engine.model_cfg.kernels == "portable"
+    finally:
+        t.backend.close()
+        t.checkpointer.close()
+    train.run(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["loss"]) and r["train/skipped_updates"] == 0.0
+        assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001  # float32: the same numbers
+
+
+def test_model_kernels_is_validated():
+    with pytest.raises(ConfigError, match=r"model\.kernels: 'gpu' is not allowed"):
+        load_config(TINY, ["model.kernels=gpu"])
 
 
 def chunked_vs_reference(model, batch, temperature, chunk):
@@ -106,6 +135,54 @@ def test_chunked_logprobs_match_the_full_logits_reference(chunk):
     # a different summation order, relative to the gradient's scale
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, atol=2e-6 * float(np.abs(b).max()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk", [4, 0])
+def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
+    """The trainer's layout (fsdp=8: rows split, the head split over the vocab inside the
+    chunks, `sharding.LogitShardings`) gives the unsharded full-logits numbers, value and
+    gradient, and never gathers the head whole."""
+    # vocab 128: a size no other dimension has (the HLO check below reads shapes)
+    fields = {"tie_word_embeddings": tied, "logprob_chunk_size": chunk, "vocab_size": 128}
+    cfg = TransformerConfig(**{**vars(MODEL), **fields})
+    model = Transformer(cfg, rngs=nnx.Rngs(1), init_scale=0.3)
+    mesh_cfg = MeshConfig(data=1, fsdp=8, tensor=1)
+    mesh = sharding.make_mesh(mesh_cfg)
+    shardings = sharding.param_shardings(nnx.state(model), mesh, sharding.make_rules(mesh_cfg))
+    head = shardings["embed" if tied else "lm_head"]
+    logits = sharding.logit_shardings(mesh, head, cfg.vocab_size)
+    assert logits.head_vd is not None  # 128 divides 8: the vocab-parallel layout is in use
+    graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
+    params = nnx.to_pure_dict(nnx.state(model))
+    batch = make_rollout_batch(3)  # 16 rows (2 per device), T = 14
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    tm = jnp.asarray(batch["token_mask"])
+
+    def sharded(p):
+        lp = nnx.merge(graphdef, p).token_logprobs(ids, mask, 0.7)
+        return jnp.sum(lp * tm), lp
+
+    def reference(p):
+        m = nnx.merge(nnx.graphdef(model), p)
+        lp = losses.token_logprobs(m(ids, attention_mask_bt=mask), ids, 0.7)
+        return jnp.sum(lp * tm), lp
+
+    # gradients pinned to their parameters' shardings, as the train step pins them
+    rep = sharding.replicated(mesh)
+    fn = jax.jit(jax.value_and_grad(sharded, has_aux=True), out_shardings=((rep, rep), shardings))
+    on_mesh = sharding.shard_params(params, shardings)
+    hlo = fn.lower(on_mesh).compile().as_text()
+    (_, lp), g = fn(on_mesh)
+    (_, lp_ref), g_ref = jax.jit(jax.value_and_grad(reference, has_aux=True))(params)
+    assert float(jnp.abs(lp_ref).max()) > 1.0
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(lp_ref), atol=2e-6, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=2e-6 * float(np.abs(b).max()), rtol=1e-5)
+    # per device the program holds 1/8 of the head, never all of it ([v, d] or [d, v])
+    v, d = cfg.vocab_size, cfg.hidden_size
+    assert f"[{v},{d}]" not in hlo and f"[{d},{v}]" not in hlo
+    assert f"[{v // 8},{d}]" in hlo or f"[{d},{v // 8}]" in hlo
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

@@ -81,7 +81,7 @@ def config_from_hf(
 ) -> TransformerConfig:
     """The TransformerConfig of an HF config.json dict. `dtype` is the compute dtype,
     `param_dtype` the storage dtype (None = `dtype`: a pure float32 or bfloat16 model);
-    `options` are the remaining execution fields (remat, logprob_chunk_size)."""
+    `options` are the remaining execution fields (remat, logprob_chunk_size, kernels)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
         raise ModelFormatError(
@@ -316,13 +316,15 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
 def model_options(model_cfg) -> dict:
     """`config_from_hf` / `from_pretrained` keyword arguments of a run's `model` section
     (jgrpo.config.ModelConfig): storage dtype = model.dtype, compute dtype = model.compute_dtype
-    with `auto` resolved on this process's default backend, remat and the logprob chunk size.
+    with `auto` resolved on this process's default backend, remat, the logprob chunk size and
+    the platform kernels.
     The one place the run config's precision options become the model's."""
     return {
         "dtype": model_cfg.resolved_compute_dtype(jax.default_backend()),
         "param_dtype": model_cfg.dtype,
         "remat": model_cfg.remat,
         "logprob_chunk_size": model_cfg.logprob_chunk_size,
+        "kernels": model_cfg.kernels,
     }
 
 

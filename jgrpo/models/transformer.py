@@ -301,9 +301,9 @@ class Transformer(nnx.Module):
         # where the trainer's [b, t, d] activations live: a jax Sharding, static in the graph
         # def (None = wherever propagation puts them); set by jgrpo.step.constrained_graphdef
         self.activation_sharding = None
-        # the stored LM head's sharding (embed when tied), pinned inside each logprob chunk so
-        # its gradient is reduce-scattered there and accumulates sharded, not whole
-        self.head_sharding = None
+        # where token_logprobs puts the LM head and its chunks (a jgrpo.sharding.LogitShardings:
+        # the vocab-parallel head), static in the graph def likewise (None = propagation)
+        self.logit_shardings = None
         d, f, n, k, h, l, v = (
             cfg.hidden_size,
             cfg.intermediate_size,
@@ -344,10 +344,10 @@ class Transformer(nnx.Module):
             return x_btd
         return jax.lax.with_sharding_constraint(x_btd, self.activation_sharding)
 
-    def _pin_head(self, head):
-        if self.head_sharding is None:
-            return head
-        return jax.lax.with_sharding_constraint(head, self.head_sharding)
+    def _pin(self, x, field: str):
+        """x constrained to `self.logit_shardings.<field>` (as it is when that is None)."""
+        where = None if self.logit_shardings is None else getattr(self.logit_shardings, field)
+        return x if where is None else jax.lax.with_sharding_constraint(x, where)
 
     def _layer_params(self, use_lora: bool = True):
         """The stacked layer parameters as stored (param_dtype), with the LoRA adapters
@@ -435,8 +435,13 @@ class Transformer(nnx.Module):
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
         `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
-        backward recomputes its logits too: memory O(b x chunk x v). Chunks run along t, so
-        the batch axis keeps its sharding."""
+        backward recomputes its logits too: memory O(b x chunk x v). Chunks run along t. Under
+        the trainer's `logit_shardings` the head is vocab-parallel (see
+        `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
+        stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
+        chunks in float32) and computes that slice's logits for the chunk's rows. Otherwise
+        (no mesh, or one that does not split the vocab) the head is cast once, before the
+        chunk loop."""
         cfg = self.cfg
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
         b, t = input_ids_bt.shape
@@ -449,25 +454,37 @@ class Transformer(nnx.Module):
         targets_kbc = jnp.swapaxes(targets_bt.reshape(b, k, c), 0, 1)
         temperature = jnp.asarray(temperature, jnp.float32)
         temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
-        # cast BEFORE the chunk loop: XLA hoists each loop's all-gather of the (fsdp-sharded)
-        # head out of the loop, and gathered after the cast a copy is half the bytes (on the
-        # 1.5B shape, five float32 copies were 4.6 GB per device). The price: the head's
-        # gradient is summed over chunks in the compute dtype.
+        # the stored head pinned to its own sharding (its gradient is reduce-scattered into
+        # it), then moved to the chunks' layout once, before the loop: XLA would hoist the
+        # move out of the loop anyway, and a head gathered whole there is one full copy per
+        # forward (on the 1.5B shape, float32 copies of 0.93 GB each were most of the step's
+        # temporaries: XLA:CPU runs bfloat16 matmuls in float32)
         stored = self.embed[...] if cfg.tie_word_embeddings else self.lm_head[...]
-        stored = self._pin_head(stored.astype(cfg.jnp_dtype))
+        stored = self._pin(stored, "head")
+        head_vd = self._pin(stored if cfg.tie_word_embeddings else stored.T, "head_vd")
+        vocab_parallel = self.logit_shardings is not None and self.logit_shardings.head_vd
+        if not vocab_parallel:  # whole (or gathered) on each device: cast once, before the loop
+            head_vd = head_vd.astype(cfg.jnp_dtype)
 
         @functools.partial(jax.checkpoint, prevent_cse=False)
         def chunk(xs):
             x_bcd, targets_bc = xs
-            x_bcd = self._constrain(x_bcd)
-            head = self._pin_head(stored)
-            head_dv = head.T if cfg.tie_word_embeddings else head
+            x_bcd = self._pin(self._constrain(x_bcd), "rows_bcd")
             logits_bcv = jnp.einsum(
-                "bcd,dv->bcv", x_bcd, head_dv, preferred_element_type=jnp.float32
+                "bcd,vd->bcv",
+                x_bcd,
+                head_vd.astype(cfg.jnp_dtype),
+                preferred_element_type=jnp.float32,
             )
-            logits_bcv = logits_bcv / temperature
-            picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
-            return picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1)
+            logits_bcv = self._pin(logits_bcv / temperature, "logits_bcv")
+            if vocab_parallel:  # a select-and-sum reduces over vocab slices (a gather would not)
+                vocab_v = jnp.arange(logits_bcv.shape[-1], dtype=targets_bc.dtype)
+                hit_bcv = vocab_v == targets_bc[..., None]
+                picked_bc = jnp.sum(jnp.where(hit_bcv, logits_bcv, 0.0), axis=-1)
+            else:
+                picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)
+                picked_bc = picked_bc[..., 0]
+            return self._pin(picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1), "out_bc")
 
         lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
         lp_bt = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, : t - 1]
