@@ -32,6 +32,7 @@ RUN_ENTRIES = frozenset(
     {
         RUN_MARKER,
         "config.yaml",
+        "config.yaml.tmp",
         "metrics.jsonl",
         "metrics.jsonl.tmp",
         "checkpoints",

@@ -68,6 +68,7 @@ def load_checkpoint_model(path, cfg: Config | None = None):
     from jgrpo import sharding, step
     from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
     from jgrpo.models import Transformer, from_pretrained, model_options, read_hf_config
+    from jgrpo.models.adapters import join_lora
     from jgrpo.models.lora import with_lora
 
     run_dir, ckpt_dir, ckpt_step = _locate(path)
@@ -96,15 +97,11 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             raise CheckpointError(
                 f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
             ) from None
-    params = state.params
+    base = None
     if model_cfg.lora is not None:
         # LoRA: the checkpoint holds the adapters; the base is re-read from model.path
         base = nnx.to_pure_dict(nnx.state(from_pretrained(folder, **model_options(cfg.model))))
-        params = base | state.params
-    model = nnx.merge(built.graphdef, params)
-    # the trainer's constraints; this model samples and exports
-    model.activation_sharding = model.logit_shardings = None
-    return model, folder, cfg
+    return join_lora(built.graphdef, state.params, base), folder, cfg
 
 
 def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = False) -> Path:

@@ -128,13 +128,19 @@ def _format_line(step: int, values: Mapping[str, Optional[float]]) -> str:
     return json.dumps(row, allow_nan=False) + "\n"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once (a temporary beside it, fsynced, then renamed): a
+    reader or a kill at any moment sees the old file or the new one, never a torn one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def truncate_metrics(run_dir_or_file: str | Path, last_step: int) -> list[dict]:
@@ -154,7 +160,7 @@ def truncate_metrics(run_dir_or_file: str | Path, last_step: int) -> list[dict]:
             stacklevel=2,
         )
     if path.exists():
-        _write_atomic(path, "".join(_format_line(r["step"], _values(r)) for r in rows))
+        write_atomic(path, "".join(_format_line(r["step"], _values(r)) for r in rows))
     return rows
 
 
@@ -209,7 +215,7 @@ class MetricsLogger:
         # Lines already in the file; _last_row is the line of the newest step (merge target).
         rows = truncate_metrics(self.path, resume_step) if resume_step is not None else []
         if resume_step is None:
-            _write_atomic(self.path, "")
+            write_atomic(self.path, "")
         self._keys: set[str] = set(keys).union(*(_values(r) for r in rows))
         self._rows = rows
         if self._keys and any(set(_values(r)) != self._keys for r in rows):
@@ -249,7 +255,7 @@ class MetricsLogger:
         text = "".join(
             _format_line(r["step"], {k: r.get(k) for k in self._keys}) for r in self._rows
         )
-        _write_atomic(self.path, text)
+        write_atomic(self.path, text)
         self._rows = [json.loads(line) for line in text.splitlines()]
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

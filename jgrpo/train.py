@@ -39,9 +39,9 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, sharding, step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, ConfigError, to_dict
-from jgrpo.metrics import MetricsLogger, NullLogger, plot_run
+from jgrpo.metrics import MetricsLogger, NullLogger, plot_run, write_atomic
 from jgrpo.models import from_pretrained, model_options
-from jgrpo.models.adapters import attach_lora, merge_lora
+from jgrpo.models.adapters import attach_lora, join_lora, merge_lora
 from jgrpo.models.lora import spec_from_config
 from jgrpo.models.sources import check_model_path, resolve_model_path
 from jgrpo.rollout import (
@@ -65,14 +65,12 @@ class Trainer:
     """Everything a running GRPO job holds (built by `setup`)."""
 
     cfg: Config
-    mesh: Any
+    setup: step.StepSetup
+    """The built train step (mesh, graphdef, ref_params, frozen: the LoRA base or None,
+    hparams, step_fn: aligned across processes). Its `state` is the one at `start_step`
+    (donated by the first step); the live one is `state`."""
     state: step.TrainState
-    ref_params: Any
-    frozen: Any
-    """The parameters that are not trained (the LoRA base; None without LoRA)."""
-    graphdef: Any
-    hparams: dict
-    step_fn: Any
+    """The current train state."""
     task: Any
     backend: Any
     checkpointer: Checkpointer
@@ -115,7 +113,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_primary():
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        write_run_config(run_dir, cfg)
 
     folder = resolve_model_path(cfg.model.path)
     model = from_pretrained(folder, **model_options(cfg.model))
@@ -139,20 +137,23 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     backend = make_backend(cfg, engine, nnx.graphdef(model), folder, built.frozen)
     trainable = sum(x.size for x in jax.tree.leaves(state.params))
     log.info("trainable parameters: %d of %d", trainable, trainable + _size(built.frozen))
+    aligned = distributed.align_first_runs(built.step_fn)
     return Trainer(
         cfg=cfg,
-        mesh=built.mesh,
+        # drops a resume's unused initial state
+        setup=dataclasses.replace(built, state=state, step_fn=aligned),
         state=state,
-        ref_params=built.ref_params,
-        frozen=built.frozen,
-        graphdef=built.graphdef,
-        hparams=built.hparams,
-        step_fn=distributed.align_first_runs(built.step_fn),
         task=task,
         backend=backend,
         checkpointer=checkpointer,
         start_step=start,
     )
+
+
+def write_run_config(run_dir: Path, cfg: Config) -> None:
+    """RUN_DIR/config.yaml, the resolved config (what export, eval and --resume read), written
+    atomically: a start killed meanwhile leaves the old file or the new one, never a torn one."""
+    write_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def _size(tree) -> int:
@@ -164,11 +165,8 @@ def policy_model(t: Trainer, view=None):
     an HF export of the run holds. `view` maps each parameter tree first (on a pod: this
     host's replica, `sharding.host_local`)."""
     view = view or (lambda tree: tree)
-    full = view(t.state.params) if t.frozen is None else view(t.frozen) | view(t.state.params)
-    model = nnx.merge(t.graphdef, full)
-    # the trainer's constraints; this model is exported
-    model.activation_sharding = model.logit_shardings = None
-    return merge_lora(model)
+    frozen = None if t.setup.frozen is None else view(t.setup.frozen)
+    return merge_lora(join_lora(t.setup.graphdef, view(t.state.params), frozen))
 
 
 def validate(t: Trainer, step_index: int) -> dict[str, float]:
@@ -268,8 +266,9 @@ def train_one_step(
     if logger is not None:
         logger.log_samples(s + 1, result.samples[: t.cfg.logging.num_samples])
     gen_s = time.perf_counter() - start
-    batch = result.step_batch().shard(t.mesh)
-    t.state, step_metrics = t.step_fn(t.state, batch, t.hparams, t.ref_params, t.frozen)
+    u = t.setup
+    batch = result.step_batch().shard(u.mesh)
+    t.state, step_metrics = u.step_fn(t.state, batch, u.hparams, u.ref_params, u.frozen)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s
     sync = t.backend.publish(t.state.params, s + 1)
@@ -310,7 +309,7 @@ def save_final(t: Trainer, out: Path) -> Path:
     if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
         if not distributed.is_primary():
             return out
-        local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.mesh))  # noqa: E731
+        local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.setup.mesh))  # noqa: E731
     folder = resolve_model_path(t.cfg.model.path)
     with atomic_folder(out, overwrite=True) as tmp:
         save_pretrained(policy_model(t, local), tmp, source=folder)

@@ -13,17 +13,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-TINY_MODEL_FIELDS = dict(
-    family="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-)
+from jgrpo.models.sources import tiny_model_fields  # noqa: E402
+
+TINY_MODEL_FIELDS = tiny_model_fields()
 """TransformerConfig fields of the tiny Qwen2-shaped model the step tests train (d 32, GQA)."""
 
 

@@ -254,7 +254,7 @@ def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
     rows = run_steps(t, 5)
     assert all(np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0 for r in rows)
     # the base: bit-identical before and after (and the very arrays of model.path)
-    for a, b in zip(jax.tree.leaves(base_params), jax.tree.leaves(t.frozen), strict=True):
+    for a, b in zip(jax.tree.leaves(base_params), jax.tree.leaves(t.setup.frozen), strict=True):
         np.testing.assert_array_equal(np.asarray(b), a)
     # the adapters trained: every B moved off zero
     for name, b_before in adapters_before["lora"].items():

@@ -236,11 +236,19 @@ def hand_batch(lp, adv):
     ), np.array([[0.0, *lp]])
 
 
-def test_hand_checked_ppo_clip():
-    batch, lp = hand_batch(np.log([0.5, 1.0, 1.5]) - 1.0, [1.0, -1.0, 2.0])
-    loss, _ = run_loss(lp, batch, LossConfig())
-    np.testing.assert_allclose(loss, -1.9 / 3, atol=1e-6)
-    assert round(loss, 4) == -0.6333
+HAND_CHECKED = {  # name: current logprobs (prev -1, advantages [1, -1, 2]), config, loss
+    "ppo_clip": (np.log([0.5, 1.0, 1.5]) - 1.0, LossConfig(), -1.9 / 3),
+    "reinforce": ([-0.5, -1.0, -1.5], LossConfig(disable_ppo_ratio=True), 2.5 / 3),
+}
+
+
+@pytest.mark.parametrize("name", HAND_CHECKED)
+def test_hand_checked(name):
+    lp, cfg, want = HAND_CHECKED[name]
+    batch, lp = hand_batch(lp, [1.0, -1.0, 2.0])
+    loss, _ = run_loss(lp, batch, cfg)
+    np.testing.assert_allclose(loss, want, atol=1e-6)
+    assert round(loss, 4) == round(want, 4)
 
 
 @pytest.mark.parametrize("prev", [-1.0, -3.0, 0.7])
@@ -251,13 +259,6 @@ def test_hand_checked_force_on_policy_any_lo(prev):
     assert round(loss, 4) == -0.6667
     del batch["prev_logprobs"]  # the skipped prev forward gives the same loss
     assert run_loss(lp, batch, LossConfig())[0] == loss
-
-
-def test_hand_checked_reinforce():
-    batch, lp = hand_batch([-0.5, -1.0, -1.5], [1.0, -1.0, 2.0])
-    loss, _ = run_loss(lp, batch, LossConfig(disable_ppo_ratio=True))
-    np.testing.assert_allclose(loss, 2.5 / 3, atol=1e-6)
-    assert round(loss, 4) == 0.8333
 
 
 # ----------------------------------------------------------------------------- NumPy parity
@@ -944,68 +945,89 @@ def test_nemo_kl_gradient_includes_sampling_term(on_policy_approx):
     np.testing.assert_allclose(kl_grad(beta) - kl_grad(0.0), want, rtol=1e-5, atol=1e-7)
 
 
-def test_nemo_kl_penalty_value():
-    lp, batch = nemo_batch([0.0, -1.0, -2.0], [0.0] * 3, prev=[0.0] * 3, ref=[-1.0] * 3)
-    loss, _ = run_loss(lp, batch, LossConfig(reference_policy_kl_penalty=0.1))
-    assert loss == pytest.approx(0.0362, rel=1e-3)
-
-
-def test_nemo_on_policy_kl_with_importance_sampling():
+GEN = [-0.5, -1.5, -0.8]
+NEMO_LOSS_VALUES = {
+    # name: nemo_batch(lp, advantages, **kw), config, loss, {metric: (value, rtol)}; losses to
+    # rtol 1e-3 (NeMo's hand-computed values have 4 digits)
+    "kl_penalty": (
+        ([0.0, -1.0, -2.0], [0.0] * 3, dict(prev=[0.0] * 3, ref=[-1.0] * 3)),
+        LossConfig(reference_policy_kl_penalty=0.1),
+        0.0362,
+        {},
+    ),
     # NeMo-RL test_clipped_pg_loss_on_policy_kl_importance_sampling (there with beta 0, so its
     # KL term is not exercised; here beta 0.1 uses its hand-computed KL mean 0.060543)
-    gen = [-0.5, -1.5, -0.8]
-    lp, batch = nemo_batch(LP_CLIP, ADV, prev=[-1.0] * 3, gen=gen, ref=[-1.0] * 3)
-    cfg = LossConfig(
-        reference_policy_kl_penalty=0.1,
-        use_on_policy_kl_approximation=True,
-        use_importance_sampling_correction=True,
-    )
+    "on_policy_kl_with_is": (
+        (LP_CLIP, ADV, dict(prev=[-1.0] * 3, gen=GEN, ref=[-1.0] * 3)),
+        LossConfig(
+            reference_policy_kl_penalty=0.1,
+            use_on_policy_kl_approximation=True,
+            use_importance_sampling_correction=True,
+        ),
+        -0.2065 + 0.0060543,
+        {"loss/pg": (-0.2065, 1e-3), "kl/penalty": (0.060543, 1e-3)},
+    ),
+    # NeMo-RL test_clipped_pg_loss_on_policy_truncated_importance_sampling: tis max 0.8; token
+    # level: weights [0.6065, 1.6487, 0.8187] -> [0.6065, 0.8, 0.8]
+    "tis": (
+        (LP_CLIP, ADV, dict(prev=[-1.0] * 3, gen=GEN)),
+        LossConfig(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=0.8,
+        ),
+        -0.4744,
+        {
+            "is/sampling_importance_ratio": ((np.exp(-0.5) + 1.6) / 3, 1e-4),
+            "is/oob_ratio": (2 / 3, 1e-6),
+        },
+    ),
+    # the same with GSPO: the row weight exp(-0.2) = 0.8187 is truncated to 0.8
+    "tis_gspo": (
+        (LP_CLIP, ADV, dict(prev=[-1.0] * 3, gen=GEN)),
+        LossConfig(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=0.8,
+            sequence_level_importance_ratios=True,
+            aggregation="seq_mean",
+        ),
+        -0.4846,
+        {"is/sampling_importance_ratio": (0.8, 1e-4), "is/oob_ratio": (1.0, 1e-6)},
+    ),
+    "gspo_is": (
+        (LP_CLIP, ADV, dict(prev=[-1.0] * 3, gen=GEN)),
+        LossConfig(
+            sequence_level_importance_ratios=True,
+            aggregation="seq_mean",
+            use_importance_sampling_correction=True,
+        ),
+        -0.4959,
+        {"is/sampling_importance_ratio": (np.exp(-0.2), 1e-6)},
+    ),
+    "gspo": (
+        (LP_CLIP, ADV, dict(prev=[-1.0] * 3)),
+        LossConfig(sequence_level_importance_ratios=True, aggregation="seq_mean"),
+        -0.6057,
+        {},
+    ),
+    "gspo_two_rows": (
+        ([LP_CLIP] * 2, [ADV] * 2, dict(prev=[[-1.0] * 3, [-2.0] * 3])),
+        LossConfig(sequence_level_importance_ratios=True, aggregation="seq_mean"),
+        -0.4912,
+        {"ratio/max": (2.4697, 1e-3)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", NEMO_LOSS_VALUES)
+def test_nemo_loss_values(name):
+    (lp, adv, kw), cfg, want_loss, want_metrics = NEMO_LOSS_VALUES[name]
+    lp, batch = nemo_batch(lp, adv, **kw)
     loss, metrics = run_loss(lp, batch, cfg)
-    assert metrics["loss/pg"] == pytest.approx(-0.2065, rel=1e-3)
-    assert metrics["kl/penalty"] == pytest.approx(0.060543, rel=1e-3)
-    assert loss == pytest.approx(-0.2065 + 0.0060543, rel=1e-3)
-
-
-@pytest.mark.parametrize("gspo", [False, True])
-def test_nemo_truncated_importance_sampling(gspo):
-    # NeMo-RL test_clipped_pg_loss_on_policy_truncated_importance_sampling: tis max 0.8
-    lp, batch = nemo_batch(LP_CLIP, ADV, prev=[-1.0] * 3, gen=[-0.5, -1.5, -0.8])
-    cfg = LossConfig(
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio=0.8,
-        sequence_level_importance_ratios=gspo,
-        aggregation="seq_mean" if gspo else "token_mean",
-    )
-    loss, metrics = run_loss(lp, batch, cfg)
-    assert loss == pytest.approx(-0.4846 if gspo else -0.4744, rel=1e-3)
-    # GSPO: the row weight exp(-0.2) = 0.8187 is truncated to 0.8 and is the mean weight;
-    # token level: [0.6065, 1.6487, 0.8187] -> [0.6065, 0.8, 0.8]
-    want_w = 0.8 if gspo else (np.exp(-0.5) + 1.6) / 3
-    assert metrics["is/sampling_importance_ratio"] == pytest.approx(want_w, rel=1e-4)
-    assert metrics["is/oob_ratio"] == pytest.approx(1.0 if gspo else 2 / 3, rel=1e-6)
-
-
-def test_nemo_gspo_importance_sampling_correction():
-    lp, batch = nemo_batch(LP_CLIP, ADV, prev=[-1.0] * 3, gen=[-0.5, -1.5, -0.8])
-    cfg = LossConfig(
-        sequence_level_importance_ratios=True,
-        aggregation="seq_mean",
-        use_importance_sampling_correction=True,
-    )
-    loss, metrics = run_loss(lp, batch, cfg)
-    assert loss == pytest.approx(-0.4959, rel=1e-3)
-    assert metrics["is/sampling_importance_ratio"] == pytest.approx(np.exp(-0.2), rel=1e-6)
-
-
-def test_nemo_gspo_values():
-    lp, batch = nemo_batch(LP_CLIP, ADV, prev=[-1.0] * 3)
-    cfg = LossConfig(sequence_level_importance_ratios=True, aggregation="seq_mean")
-    assert run_loss(lp, batch, cfg)[0] == pytest.approx(-0.6057, rel=1e-3)
-    lp, batch = nemo_batch([LP_CLIP] * 2, [ADV] * 2, prev=[[-1.0] * 3, [-2.0] * 3])
-    loss, metrics = run_loss(lp, batch, cfg)
-    assert loss == pytest.approx(-0.4912, rel=1e-3)
-    assert metrics["ratio/max"] == pytest.approx(2.4697, rel=1e-3)
+    assert loss == pytest.approx(want_loss, rel=1e-3)
+    for key, (value, rtol) in want_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=rtol), key
 
 
 def test_nemo_dual_clip_and_entropy():

@@ -55,7 +55,7 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
         assert dtypes(t.state.params) == {param_dtype}  # master weights as configured
         mu_nu = moments(t.state.opt_state)
         assert len(mu_nu) == 2 and dtypes(mu_nu) == {"float32"}  # moments always float32
-        assert dtypes(t.ref_params or {}) <= {"bfloat16"}
+        assert dtypes(t.setup.ref_params or {}) <= {"bfloat16"}
     finally:
         t.backend.close()
         t.checkpointer.close()

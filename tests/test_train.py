@@ -92,13 +92,8 @@ def test_validation_pass_at_k_groups_samples_by_example():
     cfg = load_config(TINY, ["grpo.val_pass_k=4"])
     t = train.Trainer(
         cfg=cfg,
-        mesh=None,
+        setup=None,
         state=None,
-        ref_params=None,
-        frozen=None,
-        graphdef=None,
-        hparams=None,
-        step_fn=None,
         task=Task(),
         backend=Backend(),
         checkpointer=None,
@@ -137,3 +132,32 @@ def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, mo
     assert runs[8]["train/grad_norm"] > 1e-3
     assert runs[64]["train/grad_norm"] == pytest.approx(runs[8]["train/grad_norm"], rel=1e-5)
     assert runs[64]["loss"] == pytest.approx(runs[8]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_run_config_is_replaced_atomically(tmp_path, monkeypatch):
+    """config.yaml goes through a fsynced temporary and a rename: a write that dies midway
+    leaves the previous file whole (and no temporary); a finished one reads back."""
+    from jgrpo import metrics
+    from jgrpo.cli import run_folder_kind
+    from jgrpo.export import load_run_config
+
+    old = load_config(TINY, ["grpo.seed=1"])
+    train.write_run_config(tmp_path, old)
+    before = (tmp_path / "config.yaml").read_bytes()
+
+    def die(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(metrics.os, "fsync", die)
+    with pytest.raises(OSError, match="disk full"):
+        train.write_run_config(tmp_path, load_config(TINY, ["grpo.seed=2"]))
+    assert (tmp_path / "config.yaml").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    monkeypatch.undo()
+
+    new = load_config(TINY, ["grpo.seed=2"])
+    train.write_run_config(tmp_path, new)
+    assert load_run_config(tmp_path) == new
+    # a temporary left by a kill is a run's own file, not someone else's
+    (tmp_path / "config.yaml.tmp").write_text("torn")
+    assert run_folder_kind(tmp_path) == "run"

@@ -29,19 +29,10 @@ from flax import nnx
 
 from jgrpo.losses import token_logprobs
 from jgrpo.models import Transformer, TransformerConfig
+from jgrpo.models.sources import tiny_model_fields
 
 CONFIGS = {
-    "tiny": TransformerConfig(
-        family="qwen2",
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        attention_bias=True,
-    ),
+    "tiny": TransformerConfig(**tiny_model_fields(width=64, vocab_size=100)),
     "smollm2": TransformerConfig(
         family="llama",
         vocab_size=49152,

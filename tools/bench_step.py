@@ -28,18 +28,9 @@ from jgrpo import sharding, step
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.models import Transformer, TransformerConfig
+from jgrpo.models.sources import tiny_model_fields
 
-MODEL = TransformerConfig(
-    family="qwen2",
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    attention_bias=True,
-)
+MODEL = TransformerConfig(**tiny_model_fields(width=128, vocab_size=256, num_layers=4))
 VARIANTS = {
     "ref + prev": ["loss.reference_policy_kl_penalty=0.05"],
     "prev only": [],

@@ -4,7 +4,7 @@ PEFT adapter folders out and in.
 The adapter math and layout live in models/lora.py; this file works on `Transformer`s:
 - `attach_lora(model, spec, key)`: the LoRA model over `model`'s own base arrays (no copy);
 - `split_lora(model)`: (graphdef, trainable adapters, frozen base) as pure dicts, the trainer's
-  two trees; `nnx.merge(graphdef, frozen, trainable)` rebuilds the model;
+  two trees; `join_lora(graphdef, trainable, frozen)` rebuilds the model (to sample or export);
 - `merge_lora(model)`: a plain Transformer with W + scale * A B in every targeted weight (what
   `jgrpo export` writes and transformers loads);
 - `save_peft(model, folder)` / `load_peft(model, folder)`: PEFT's LoRA format
@@ -50,6 +50,16 @@ def split_lora(model: Transformer):
     """(graphdef, trainable, frozen): the adapters and the base as pure dicts."""
     graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
     return graphdef, nnx.to_pure_dict(trainable), nnx.to_pure_dict(frozen)
+
+
+def join_lora(graphdef, trainable, frozen=None) -> Transformer:
+    """The model of the trainer's two trees, sharing their arrays: the `frozen` base (None:
+    everything trains) and the `trainable` tree (the adapters), whose top-level keys are
+    disjoint. The train step's sharding constraints (which name the trainer's mesh) are
+    cleared: this model samples or exports on whatever devices its arrays are on."""
+    model = nnx.merge(graphdef, trainable if frozen is None else frozen | trainable)
+    model.activation_sharding = model.logit_shardings = None
+    return model
 
 
 def merge_lora(model: Transformer) -> Transformer:

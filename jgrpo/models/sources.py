@@ -265,6 +265,24 @@ def save_char_tokenizer(out: str | Path, *, model_max_length: int = 256) -> None
     )
 
 
+def tiny_model_fields(width: int = 32, vocab_size: int = 64, num_layers: int = 2) -> dict:
+    """`TransformerConfig` fields of the tiny Qwen2 shape that tests and benchmarks build with
+    random weights: `width` = hidden size, MLP 2 x width, 4 query / 2 kv heads of width / 4,
+    attention biases. The defaults are the step tests' model (d 32); `width=64` is the shape
+    of `builtin:tiny-qwen2` (with another vocabulary and untied embeddings)."""
+    return dict(
+        family="qwen2",
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=width // 4,
+        attention_bias=True,
+    )
+
+
 def tiny_qwen2_config(**overrides: Any) -> dict[str, Any]:
     """config.json of the tiny Qwen2 (as transformers 5 writes it), with field overrides.
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jgrpo import distributed, sharding
+from jgrpo.models.adapters import join_lora
 from jgrpo.rollout.engine import (
     PHASE_KEYS,
     REWARD_FAILURE_KEYS,
@@ -116,7 +118,7 @@ class LocalRollout:
         )
 
     def _model_params(self):
-        return self.params if self.frozen is None else self.frozen | self.params
+        return nnx.state(join_lora(self.graphdef, self.params, self.frozen))
 
     def close(self) -> None:
         pass
