@@ -307,7 +307,13 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     pod = str(tmp_path / "pod")
     ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
     procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
-    assert _wait(procs) == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
+    try:
+        codes = _wait(procs, timeout=900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
     _assert_same_metrics(rows, reference(), steps=[1, 2, 3])

@@ -245,12 +245,16 @@ def test_pod_weight_sync_sends_each_shard_once_and_workers_assemble_it(folder, s
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(g, w)
 
-    # through Ray: both processes register their part; a worker-side pull assembles it
-    broker = ray.remote(WeightBroker).options(num_cpus=0).remote(2, 2)
+    # through Ray: both processes register their part and ask for the answer; once both have
+    # it the broker forgets the key, and a worker-side pull (a Ray task) still assembles it
+    broker = ray.remote(WeightBroker).options(num_cpus=0).remote(2)
+    answers = []
     for p in (1, 0):
         broker.put.remote(("params", 3), p, [ray.put(parts[p])])
-    answer = broker.get.remote(("params", 3))
-    pulled = ray.get(ray.remote(pull_weights).options(num_cpus=0).remote([answer]))
+        answers.append(broker.get.remote(("params", 3)))
+    ray.get(answers)
+    assert ray.get(broker.num_keys.remote()) == 0
+    pulled = ray.get(ray.remote(pull_weights).options(num_cpus=0).remote([answers[1]]))
     for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
         np.testing.assert_array_equal(g, w)
     ray.kill(broker)

@@ -275,32 +275,38 @@ class WeightBroker:
     Every process puts its own shards (`local_shards`) in the object store and hands the broker
     the ref (boxed, so Ray passes it by reference and counts the broker as a borrower); `get`
     waits until every process has done so for that key, then returns the refs in process order.
-    It keeps the newest `keep` params versions (and the LoRA base, once)."""
+    Each process asks once per key; once all have their answer the broker forgets the key, so
+    a version's shards live exactly as long as some driver's answer (its newest version, or one
+    a running batch names) refers to them: Ray counts the refs nested in an answer."""
 
-    def __init__(self, num_processes: int, keep: int):
+    def __init__(self, num_processes: int):
         import asyncio
 
         self.num_processes = num_processes
-        self.keep = keep
         self.refs: dict[tuple, dict[int, ray.ObjectRef]] = {}
+        self.answered: dict[tuple, int] = {}
         self.changed = asyncio.Condition()
 
     def ready(self) -> bool:
         return True
 
+    def num_keys(self) -> int:
+        """Keys not yet answered to every process (a test hook)."""
+        return len(self.refs)
+
     async def put(self, key: tuple, process: int, box: list) -> None:
         async with self.changed:
             self.refs.setdefault(key, {})[process] = box[0]
-            if key[0] == "params":
-                old = [k for k in self.refs if k[0] == "params" and k[1] <= key[1] - self.keep]
-                for k in old:
-                    del self.refs[k]
             self.changed.notify_all()
 
     async def get(self, key: tuple) -> list:
         async with self.changed:
             await self.changed.wait_for(lambda: len(self.refs.get(key, ())) == self.num_processes)
-            return [self.refs[key][p] for p in range(self.num_processes)]
+            refs = [self.refs[key][p] for p in range(self.num_processes)]
+            self.answered[key] = self.answered.get(key, 0) + 1
+            if self.answered[key] == self.num_processes:
+                del self.refs[key], self.answered[key]
+            return refs
 
 
 def pull_weights(box: list):
@@ -419,7 +425,7 @@ class RayRollout:
 
             node = ray.get_runtime_context().get_node_id()
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
-            self._broker = self._join_broker(keep=ro.max_staleness + 2)
+            self._broker = self._join_broker()
         self._actor_cls = ray.remote(RolloutWorker).options(
             num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env}, max_restarts=0, **options
         )
@@ -549,7 +555,7 @@ class RayRollout:
 
     # ------------------------------------------------------------------------- scheduling
 
-    def _join_broker(self, keep: int):
+    def _join_broker(self):
         """The pod's WeightBroker: process 0 starts it under a fresh name, every process
         learns the name from a host gather and looks it up."""
         import uuid
@@ -565,7 +571,7 @@ class RayRollout:
                     max_restarts=0,
                     runtime_env={"env_vars": _driver_paths() | {"JAX_PLATFORMS": "cpu"}},
                 )
-                .remote(distributed.process_count(), keep)
+                .remote(distributed.process_count())
             )
             ray.get(broker.ready.remote())
         name = distributed.allgather(name.encode(), raw=True)[0].decode()
