@@ -99,10 +99,10 @@ def check_pod(cfg: Config, num_processes: int) -> None:
             f"grpo.num_prompts_per_step: {cfg.grpo.num_prompts_per_step} prompts do not split "
             f"over {num_processes} processes (each host generates whole prompt groups)"
         )
-    if cfg.rollout.backend != "local":
+    if cfg.rollout.backend == "ray" and not cfg.rollout.ray_address:
         raise ConfigError(
-            "rollout.backend: only `local` runs on a multi-process pod so far (each host "
-            "samples its slice with its own replica); see the README's pod section"
+            "rollout.ray_address: a pod's Ray rollout needs one Ray cluster every process joins "
+            "(HOST:PORT of its head, `ray start --head`); see the README's pod section"
         )
 
 

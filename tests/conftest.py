@@ -79,3 +79,17 @@ def make_random_hf_model(hf_config, seed=0):
             else:
                 p.normal_(0.0, 0.15)
     return model
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (starting one takes ~12 s): its GCS address,
+    which a `jgrpo train` subprocess joins with rollout.ray_address."""
+    import ray
+
+    from jgrpo.rollout.ray_backend import init_ray
+
+    started = init_ray(num_cpus=2)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()

@@ -1,10 +1,13 @@
 """Multi-host pods: the process spec, and a real 2-process pod on one machine vs one process.
 
-The pod test runs `jgrpo train` as subprocesses: each sets its own fake CPU device count
+The pod tests run `jgrpo train` as subprocesses: each sets its own fake CPU device count
 (4 per process on the pod, 8 for the one-process reference) and joins a loopback coordinator
-with gloo collectives, exactly as hosts of a GPU pod join process 0.
+with gloo collectives, exactly as hosts of a GPU pod join process 0. The one-process reference
+run starts once for the module, alongside the first pod; the Ray pod's processes join the
+session's local Ray cluster (conftest) by its address, as a pod's hosts join one cluster.
 """
 
+import functools
 import os
 import shutil
 import signal
@@ -14,13 +17,17 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
+from flax import nnx
 
 from jgrpo import distributed
 from jgrpo.checkpoint import latest_complete_step
 from jgrpo.cli import main
 from jgrpo.config import ConfigError
 from jgrpo.metrics import read_metrics
+from jgrpo.models import from_pretrained
+from jgrpo.models.sources import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -82,6 +89,16 @@ def test_cli_rejects_a_partial_pod_before_any_model_loads(capsys, tmp_path):
         "--num-processes, --process-id"
     ]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_pod_with_ray_rollout_needs_one_cluster_address():
+    from jgrpo.config import load_config
+    from jgrpo.train import check_pod
+
+    with pytest.raises(ConfigError, match=r"^rollout.ray_address: a pod's Ray rollout needs one"):
+        check_pod(load_config(TINY, ["rollout.backend=ray"]), 2)
+    check_pod(load_config(TINY, ["rollout.backend=ray", "rollout.ray_address=h:6379"]), 2)
+    check_pod(load_config(TINY, ["rollout.backend=ray"]), 1)  # one process: a local cluster
 
 
 def test_process_slices_cover_the_step_in_order(monkeypatch):
@@ -171,14 +188,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, run_dir, num_processes, *extra) -> list[subprocess.Popen]:
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """One compilation cache for the module's runs: resumed runs reuse the first runs' programs."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def _launch(tmp_path, run_dir, num_processes, *extra, cache=None) -> list[subprocess.Popen]:
     """`jgrpo train` on `num_processes` processes x (8 / num_processes) fake CPU devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
-    # the resumed runs reuse the first runs' executables
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache or tmp_path / "jax_cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     base = [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir", run_dir]
     pod = []
@@ -213,12 +235,37 @@ def _assert_same_metrics(rows, reference, steps):
     assert by_step[3]["val/accuracy"] == ref[3]["val/accuracy"]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, jax_cache):
+    """The one-process run (1 x 8 devices, local backend): started when first asked for, so it
+    runs alongside that test's pod; call the fixture's value to wait for its metrics."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "pod_rewards.py").write_text(REWARD)
+    one = str(tmp / "one")
+    procs = _launch(tmp, one, 1, cache=jax_cache)
+
+    @functools.cache
+    def metrics():
+        assert _wait(procs) == [0], _log(tmp, one, 0)[-3000:]
+        rows = read_metrics(one)
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert all(r["train/grad_norm"] > 0.1 for r in rows)  # nothing compared is trivially 0
+        assert abs(rows[1]["loss"]) > 1e-3 and abs(rows[2]["loss"]) > 1e-3
+        return rows
+
+    yield metrics
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 @pytest.mark.slow
-def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(tmp_path):
+def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(
+    tmp_path, reference, jax_cache
+):
     (tmp_path / "pod_rewards.py").write_text(REWARD)
-    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
-    ref_procs = _launch(tmp_path, one, 1)
-    pod_procs = _launch(tmp_path, pod, 2)
+    pod = str(tmp_path / "pod")
+    pod_procs = _launch(tmp_path, pod, 2, cache=jax_cache)
 
     # Kill process 1 once step 1 is checkpointed: process 0 must stop within a bound, naming it.
     deadline = time.monotonic() + 500
@@ -233,22 +280,46 @@ def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(tmp_p
     assert rc0 == distributed.EXIT_LOST_PEER, survivor[-3000:]
     assert "lost peer: process 1 of 2" in survivor
     assert stopped_s < PEER_TIMEOUT + 30
-    assert _wait(ref_procs) == [0], _log(tmp_path, one, 0)[-3000:]
-    reference = read_metrics(one)
-    assert [r["step"] for r in reference] == [1, 2, 3]
-    assert all(r["train/grad_norm"] > 0.1 for r in reference)  # nothing compared is trivially 0
-    assert abs(reference[1]["loss"]) > 1e-3 and abs(reference[2]["loss"]) > 1e-3
 
     # The pod's checkpoint of step 1 (2 processes x 4 devices), also resumed by 1 x 8 devices.
     resumed_step = latest_complete_step(Path(pod) / "checkpoints")
     cross = str(tmp_path / "cross")
     shutil.copytree(pod, cross)
-    pod_procs = _launch(tmp_path, pod, 2, "--resume")
-    cross_procs = _launch(tmp_path, cross, 1, "--resume")
+    pod_procs = _launch(tmp_path, pod, 2, "--resume", cache=jax_cache)
+    cross_procs = _launch(tmp_path, cross, 1, "--resume", cache=jax_cache)
     assert _wait(pod_procs) == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     assert _wait(cross_procs) == [0], _log(tmp_path, cross, 0)[-3000:]
 
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
-    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
-    _assert_same_metrics(read_metrics(cross), reference, steps=range(resumed_step + 1, 4))
+    _assert_same_metrics(rows, reference(), steps=[1, 2, 3])
+    _assert_same_metrics(read_metrics(cross), reference(), steps=range(resumed_step + 1, 4))
+
+
+@pytest.mark.slow
+def test_two_process_pod_with_ray_rollout_matches_one_process(
+    tmp_path, reference, jax_cache, ray_cluster
+):
+    """rollout.backend=ray on the pod: each process drives one worker in the shared cluster
+    for its slice of the prompts and publishes only its half of the weights; the losses are
+    those of the one-process local run (which equals a one-process Ray run row for row)."""
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    pod = str(tmp_path / "pod")
+    ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
+    procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
+    try:
+        codes = _wait(procs, timeout=900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
+    rows = read_metrics(pod)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
+    _assert_same_metrics(rows, reference(), steps=[1, 2, 3])
+    # process 0 sent its share of the weights: half the model, give or take one leaf
+    leaves = jax.tree.leaves(nnx.state(from_pretrained(resolve_model_path("builtin:tiny-qwen2"))))
+    total, biggest = sum(x.nbytes for x in leaves), max(x.nbytes for x in leaves)
+    for r in rows:
+        assert (total - biggest) / 2 <= r["rollout/weight_mb"] * 2**20 <= (total + biggest) / 2
+        assert r["rollout/staleness_max"] == 0.0 and r["rollout/worker_failures"] == 0.0

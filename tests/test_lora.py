@@ -159,14 +159,13 @@ def test_sampler_weights_are_merged(hf_base):
 
 
 @pytest.mark.slow
-def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
+def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     """The Ray backend puts base + adapters on the first publish, adapters alone after it, and
     samples what the local backend samples from base | adapters (both versions)."""
     from jgrpo.config import load_config
     from jgrpo.models import model_options
     from jgrpo.models.sources import build_tiny_model
     from jgrpo.rollout import LocalRollout, build_engine, make_backend
-    from jgrpo.rollout.ray_backend import init_ray
     from jgrpo.tasks import make_task
 
     folder = build_tiny_model(tmp_path / "m")
@@ -198,7 +197,6 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
     adapter_mb = sum(x.nbytes for x in jax.tree.leaves(versions[0][1])) / 2**20
     base_mb = sum(x.nbytes for x in jax.tree.leaves(frozen)) / 2**20
     local = LocalRollout(engine, graphdef, cfg.grpo.seed, 4, frozen)
-    started = init_ray(num_cpus=2)
     backend = make_backend(cfg, engine, graphdef, folder, frozen)
     try:
         stream = make_task(cfg.data, cfg.grpo.seed).train
@@ -216,10 +214,6 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path):
         assert base_mb > 10 * adapter_mb
     finally:
         backend.close()
-        if started:
-            import ray
-
-            ray.shutdown()
 
 
 # ----------------------------------------------------------------------------- training

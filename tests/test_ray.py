@@ -14,14 +14,20 @@ import pytest
 import ray
 from flax import nnx
 
-from jgrpo import train
-from jgrpo.config import load_config
+from jgrpo import sharding, train
+from jgrpo.config import MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
 from jgrpo.models.sources import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
 from jgrpo.rollout.engine import RolloutFailure
-from jgrpo.rollout.ray_backend import RayRollout, init_ray
+from jgrpo.rollout.ray_backend import (
+    RayRollout,
+    WeightBroker,
+    assemble_shards,
+    local_shards,
+    pull_weights,
+)
 from jgrpo.tasks import make_task
 
 P, G = 2, 4
@@ -29,11 +35,8 @@ ROW_KEYS = ("input_ids", "attention_mask", "token_mask", "rewards", "group_ids",
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session():
-    started = init_ray(num_cpus=2)
-    yield
-    if started:
-        ray.shutdown()
+def ray_session(ray_cluster):
+    """The session's Ray cluster (conftest), shared with every module that needs one."""
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +189,75 @@ def test_failure_budget_raises_rollout_failure(folder, versions):
             backend.collect(0)
     finally:
         backend.close()
+
+
+# ----------------------------------------------------------------------------- pod weight sync
+
+
+def _held_by(x, process, process_of):
+    """The shard indices (as (start, stop) per dim) on `process`'s devices."""
+    return {
+        tuple(sl.indices(dim)[:2] for sl, dim in zip(index, x.shape))
+        for device, index in x.sharding.devices_indices_map(x.shape).items()
+        if process_of(device) == process
+    }
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8, 1), (2, 4, 1), (2, 2, 2)],
+    ids=["fsdp-across-hosts", "replica-per-host", "replica-per-host-tensor"],
+)
+def test_pod_weight_sync_sends_each_shard_once_and_workers_assemble_it(folder, shape):
+    """A fake 2-process pod on the 8 devices (the mesh's first 4 are process 0's, as a pod's
+    hosts are contiguous rows): each process sends only shards it holds, every shard is sent
+    by exactly one process, the hosts share the bytes evenly, and a Ray task pulling through
+    the broker assembles exactly the trainer's parameters."""
+    model = from_pretrained(folder)
+    mesh_cfg = MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2])
+    mesh = sharding.make_mesh(mesh_cfg)
+    shardings = sharding.param_shardings(nnx.state(model), mesh, sharding.make_rules(mesh_cfg))
+    params = sharding.shard_params(nnx.to_pure_dict(nnx.state(model)), shardings)
+    rank = {d: i for i, d in enumerate(mesh.devices.flat)}
+    process_of = lambda d: rank[d] // 4  # noqa: E731
+
+    parts = [local_shards(params, p, process_of) for p in (0, 1)]
+    sent = [0, 0]
+    leaves = jax.tree.leaves(params)
+    for i, x in enumerate(leaves):
+        keys = []
+        for p in (0, 1):
+            own = [key for key, _ in parts[p]["leaves"][i][2]]
+            assert set(own) <= _held_by(x, p, process_of), (i, p)  # only shards it holds
+            keys += own
+            sent[p] += sum(data.nbytes for _, data in parts[p]["leaves"][i][2])
+        assert len(keys) == len(set(keys))  # no shard sent twice
+    total = sum(x.nbytes for x in leaves)
+    assert sum(sent) == total
+    biggest = max(x.nbytes for x in leaves)
+    if shape[0] == 1:  # fsdp spans the hosts: a sharded leaf's halves are on different hosts
+        assert abs(sent[0] - sent[1]) <= biggest / 2
+    else:  # each host holds a whole replica: the sending is split between the hosts
+        assert abs(sent[0] - sent[1]) <= biggest
+    want = jax.device_get(params)
+    got = assemble_shards(parts)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+    # through Ray: both processes register their part and ask for the answer; once both have
+    # it the broker forgets the key, and a worker-side pull (a Ray task) still assembles it
+    broker = ray.remote(WeightBroker).options(num_cpus=0).remote(2)
+    answers = []
+    for p in (1, 0):
+        broker.put.remote(("params", 3), p, [ray.put(parts[p])])
+        answers.append(broker.get.remote(("params", 3)))
+    ray.get(answers)
+    assert ray.get(broker.num_keys.remote()) == 0
+    pulled = ray.get(ray.remote(pull_weights).options(num_cpus=0).remote([answers[1]]))
+    for g, w in zip(jax.tree.leaves(pulled), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    ray.kill(broker)
 
 
 # ----------------------------------------------------------------------------- through run()

@@ -52,4 +52,5 @@ def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder, frozen=None
         frozen=frozen,
         num_cpus_per_worker=cfg.rollout.num_cpus_per_worker,
         num_gpus_per_worker=cfg.rollout.num_gpus_per_worker,
+        reward_names=tuple(engine.task.reward_names),
     )

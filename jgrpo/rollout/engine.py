@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jgrpo import sampling
+from jgrpo import distributed, sampling
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 
@@ -55,7 +55,7 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
         b["group_ids"] = b["group_ids"] + offset
         pad = width - b["input_ids"].shape[1]
         if pad:  # different prompt buckets: left-pad the narrower batch
-            for key in ("input_ids", "attention_mask", "token_mask", "generation_logprobs"):
+            for key in PADDED_KEYS:
                 b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -94,6 +94,44 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         given = ~np.isnan(column)
         stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
     return stats
+
+
+PADDED_KEYS = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
+"""The [B, T] arrays of a rollout batch; every other key is per row (statistics rows)."""
+
+
+def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResult:
+    """This host's rows of a pod step, ready to feed the global batch, with pod-wide statistics.
+
+    Group ids are shifted by `group_offset` (to the step's global prompt index), the [B, T]
+    arrays left-padded to the widest host's width (another host's prompts may take a wider
+    bucket: every host must feed the same shape), and the statistics recomputed over every
+    host's rows (`gather_pod_rows`). Every process must call it (collective)."""
+    batch = dict(result.batch)
+    batch["group_ids"] = batch["group_ids"] + group_offset
+    width = max(int(w) for w in distributed.allgather(np.int64(batch["input_ids"].shape[1])))
+    pad = width - batch["input_ids"].shape[1]
+    if pad:
+        for k in PADDED_KEYS:
+            batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
+    stats = gather_pod_rows(RolloutResult(batch, result.stats, [], result.reward_names)).stats
+    return RolloutResult(batch, stats, result.samples, result.reward_names)
+
+
+def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutResult:
+    """Every host's per-row arrays (not the [B, T] ones: a few scalars per row), in process
+    order, with `batch_stats` of them and the summed reward-failure counts: the one-process
+    numbers. `result` None: this host has no rows (then `reward_names` names the terms).
+    Every process must call it (collective)."""
+    names = tuple(result.reward_names if result is not None else reward_names)
+    batch = {} if result is None else result.batch
+    local = dict.fromkeys(REWARD_FAILURE_KEYS, 0.0) if result is None else result.stats
+    rows = distributed.allgather_rows({k: v for k, v in batch.items() if k not in PADDED_KEYS})
+    counts = distributed.allgather(np.asarray([local[k] for k in REWARD_FAILURE_KEYS]))
+    total = np.sum(counts, axis=0)
+    failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    phases = {k: local[k] for k in PHASE_KEYS if k in local}  # this host's phase timings
+    return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names)
 
 
 class RolloutEngine:

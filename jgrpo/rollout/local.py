@@ -21,23 +21,18 @@ batch the same shape). The batch statistics are computed over the gathered rows 
 from __future__ import annotations
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jgrpo import distributed, sharding
 from jgrpo.models.adapters import join_lora
 from jgrpo.rollout.engine import (
-    PHASE_KEYS,
-    REWARD_FAILURE_KEYS,
     VALIDATION_SALT,
     RolloutEngine,
     RolloutResult,
-    batch_stats,
+    gather_pod_rows,
+    join_pod_slice,
     step_key,
 )
-
-_PADDED = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
-"""The [B, T] arrays; every other key of a rollout batch is per row (statistics rows)."""
 
 
 class LocalRollout:
@@ -82,15 +77,7 @@ class LocalRollout:
         )
         if not distributed.is_multiprocess():
             return result
-        batch = dict(result.batch)
-        batch["group_ids"] = batch["group_ids"] + first
-        width = max(int(w) for w in distributed.allgather(np.int64(batch["input_ids"].shape[1])))
-        pad = width - batch["input_ids"].shape[1]
-        if pad:  # another host's prompts took a wider bucket: left-pad to the common width
-            for k in _PADDED:
-                batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
-        _, stats = _gather_stats(batch, result.stats, result.reward_names)
-        return RolloutResult(batch, stats, result.samples, result.reward_names)
+        return join_pod_slice(result, group_offset=first)
 
     def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
         key = step_key(self.seed, step, salt=VALIDATION_SALT)
@@ -98,12 +85,8 @@ class LocalRollout:
         if not distributed.is_multiprocess():
             return self._evaluate(examples, key, pass_k, 0)
         names = tuple(self.engine.task.reward_names)
-        if hi > lo:
-            result = self._evaluate(examples[lo:hi], key, pass_k, lo)
-            batch, stats = result.batch, result.stats
-        else:  # fewer examples than processes: this host has none
-            batch, stats = {}, dict.fromkeys(REWARD_FAILURE_KEYS, 0.0)
-        return RolloutResult(*_gather_stats(batch, stats, names), [], names)
+        result = self._evaluate(examples[lo:hi], key, pass_k, lo) if hi > lo else None
+        return gather_pod_rows(result, names)  # None: fewer examples than hosts, none here
 
     def _evaluate(self, examples: list, key, pass_k: int, first: int) -> RolloutResult:
         return self.engine.rollout(
@@ -122,13 +105,3 @@ class LocalRollout:
 
     def close(self) -> None:
         pass
-
-
-def _gather_stats(batch: dict, local_stats: dict, names) -> tuple[dict, dict[str, float]]:
-    """(every host's per-row arrays, batch_stats of them + the summed reward-failure counts)."""
-    rows = distributed.allgather_rows({k: v for k, v in batch.items() if k not in _PADDED})
-    counts = distributed.allgather(np.asarray([local_stats[k] for k in REWARD_FAILURE_KEYS]))
-    total = np.sum(counts, axis=0)
-    failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
-    phases = {k: local_stats[k] for k in PHASE_KEYS if k in local_stats}  # this host's
-    return rows, batch_stats(rows, names) | failures | phases

@@ -21,6 +21,22 @@ adapters' size). A worker pulls the base on its first batch (a restarted worker 
 batch again) and each adapter version like the full params above; it samples from base | adapters
 (the sampler merges the adapters into its inference weights once per generate call).
 
+Pods (several trainer processes, `jgrpo.distributed`). Every process is a Ray driver of its
+own `rollout.num_workers` workers in the one cluster of `rollout.ray_address`, placed by their
+resource request with a soft affinity to the driver's node. It requests and collects only its
+contiguous slice of each step's prompts (`distributed.process_slice`; draws keyed by the global
+row, group ids global), so no host holds the global batch and the rows are those of a
+one-process run; the statistics are gathered over the hosts (`engine.join_pod_slice`). Why not
+process 0 driving every worker: its host would receive, hold and scatter the whole batch each
+step, and the per-host data path would differ between the backends. Weight sync never gathers
+the model on one host: `plan_shards` gives each distinct shard (replicas de-duplicated) to one
+process that holds it (the least-loaded holder when several do, as every host does in the
+hybrid mesh), each process copies only those shards to host memory (`local_shards`) and puts
+them as one object, and hands the ref to the pod's `WeightBroker` actor (started by process 0).
+The box a worker receives names the broker's answer for that version: one ref per process; the
+worker pulls them all and assembles the full tree (`assemble_shards`). `rollout/weight_mb` is
+then what this process put (about 1/N of the model). LoRA: the base goes the same way, once.
+
 Scheduling. The driver runs no background thread: each protocol call first reaps finished
 batches (non-blocking) and hands queued batches to idle workers, one batch per worker at a time,
 so a batch always starts with the newest weights published when it starts. A step (or a
@@ -46,18 +62,21 @@ so no step is lost and each step's result is returned exactly once. Failure numb
 `max_worker_failures + 1` raises `RolloutFailure` naming the last error; the trainer checkpoints
 and stops.
 
-Resources. Each worker asks Ray for a CPU share (the cluster's CPUs split over the workers and
-the trainer; fractional when there are fewer CPUs than workers) and, on GPU clusters, a GPU
-share; constructor arguments override both. XLA in a worker gets as many intra-op threads as its
-CPU share, and JAX_PLATFORMS=cpu when it has no GPU. A local cluster is started quietly (no
-dashboard, no usage stats, no token banner, worker logs not forwarded: errors come back in the
-exceptions) unless Ray is already initialised or `rollout.ray_address` names a cluster to join.
+Resources. Each worker asks Ray for a CPU share (the cluster's CPUs split over the workers of
+every trainer process and the trainer processes; fractional when there are fewer CPUs than
+workers) and, on GPU clusters, a GPU share; constructor arguments override both. XLA in a
+worker gets as many intra-op threads as its CPU share, JAX_PLATFORMS=cpu when it has no GPU,
+and the driver's PYTHONPATH (custom reward modules import as in the trainer). A local cluster
+is started quietly (no dashboard, no usage stats, no token banner, worker logs not forwarded:
+errors come back in the exceptions) unless Ray is already initialised or `rollout.ray_address`
+names a cluster to join.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any, Optional
@@ -66,12 +85,15 @@ import jax
 import numpy as np
 import ray
 
+from jgrpo import distributed
 from jgrpo.config import Config, ConfigError
 from jgrpo.rollout.engine import (
     VALIDATION_SALT,
     RolloutFailure,
     RolloutResult,
     concat_results,
+    gather_pod_rows,
+    join_pod_slice,
     step_key,
 )
 
@@ -131,11 +153,25 @@ def check_ray_address(address: str) -> None:
         ) from None
 
 
+def _driver_paths() -> dict[str, str]:
+    """The driver's PYTHONPATH, for workers of a cluster the driver did not start (they inherit
+    the environment of their node's raylet): custom reward modules (`module:function`) import
+    there as they do in the trainer, from paths every host sees."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": path} if path else {}
+
+
 def worker_resources(
-    num_workers: int, cpus: Optional[float] = None, gpus: Optional[float] = None
+    num_workers: int,
+    cpus: Optional[float] = None,
+    gpus: Optional[float] = None,
+    num_drivers: int = 1,
 ) -> tuple[float, float, dict[str, str]]:
-    """(num_cpus, num_gpus, env_vars) of one worker, derived from the cluster unless given."""
+    """(num_cpus, num_gpus, env_vars) of one worker, derived from the cluster unless given.
+
+    `num_drivers`: trainer processes sharing the cluster, each with `num_workers` workers."""
     total = ray.cluster_resources()
+    num_workers *= num_drivers
     if gpus is None:
         total_gpus = total.get("GPU", 0.0)
         gpus = min(1.0, total_gpus / num_workers) if total_gpus else 0.0
@@ -146,10 +182,11 @@ def worker_resources(
         if total_cpus < num_workers:
             cpus = total_cpus / num_workers  # fractional: every worker still gets scheduled
         else:
-            cpus = float(max(1, int(total_cpus // (num_workers + 1))))  # + 1: the trainer
+            # + num_drivers: the trainer processes
+            cpus = float(max(1, int(total_cpus // (num_workers + num_drivers))))
     threads = max(1, int(cpus))
     flags = "--xla_cpu_multi_thread_eigen=false" if threads == 1 else ""
-    env = {
+    env = _driver_paths() | {
         "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}".strip(),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
@@ -159,6 +196,130 @@ def worker_resources(
     elif gpus < 1:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # GPU shared between workers
     return cpus, gpus, env
+
+
+# ----------------------------------------------------------------------------- pod weight sync
+
+
+def _index_key(index: tuple, shape) -> tuple:
+    """A hashable, normalised form of a shard's index (a tuple of slices)."""
+    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape))
+
+
+def plan_shards(tree, process_of=None) -> list[dict[tuple, int]]:
+    """Per leaf of `tree` (globally sharded jax.Arrays): {shard index: the process that sends it}.
+
+    Each distinct shard (replicas de-duplicated) is sent by exactly one process that holds it;
+    a shard held by several processes (replicated leaves; every shard in the hybrid mesh, where
+    each host holds a whole replica) goes to the holder that has sent the fewest bytes so far,
+    so the pod's hosts share the sending evenly. Every process computes the same plan from the
+    global shardings alone (no communication). `process_of(device)` defaults to
+    `device.process_index` (tests pass a fake pod)."""
+    process_of = process_of or (lambda d: d.process_index)
+    sent: dict[int, int] = {}
+    plan = []
+    for x in jax.tree.leaves(tree):
+        holders: dict[tuple, set[int]] = {}
+        for device, index in x.sharding.devices_indices_map(x.shape).items():
+            holders.setdefault(_index_key(index, x.shape), set()).add(process_of(device))
+        owners = {}
+        for key in sorted(holders):
+            size = math.prod(hi - lo for lo, hi in key) * x.dtype.itemsize
+            owner = min(holders[key], key=lambda p: (sent.get(p, 0), p))
+            sent[owner] = sent.get(owner, 0) + size
+            owners[key] = owner
+        plan.append(owners)
+    return plan
+
+
+def local_shards(tree, process: Optional[int] = None, process_of=None) -> dict[str, Any]:
+    """The shards of `tree` that `process` (default: this one) sends under `plan_shards`, as host
+    numpy: {"treedef", "leaves": [(shape, dtype, [(index, array), ...]), ...]}. Only those
+    shards are copied off the devices; `assemble_shards` joins every process's part."""
+    process = jax.process_index() if process is None else process
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, owners in zip(leaves, plan_shards(tree, process_of)):
+        mine = {key for key, owner in owners.items() if owner == process}
+        pieces = {}
+        for shard in x.addressable_shards:
+            key = _index_key(shard.index, x.shape)
+            if key in mine and key not in pieces:
+                pieces[key] = np.asarray(shard.data)
+        if pieces.keys() != mine:
+            raise ValueError(f"local_shards: process {process} does not hold its shards")
+        out.append((tuple(x.shape), x.dtype, sorted(pieces.items())))
+    return {"treedef": treedef, "leaves": out}
+
+
+def assemble_shards(parts: list[dict[str, Any]]):
+    """The full host-numpy tree from every process's `local_shards` (each cell written once)."""
+    treedef = parts[0]["treedef"]
+    leaves = []
+    for i, (shape, dtype, _) in enumerate(parts[0]["leaves"]):
+        full = np.empty(shape, dtype)
+        filled = 0
+        for part in parts:
+            for key, data in part["leaves"][i][2]:
+                full[tuple(slice(lo, hi) for lo, hi in key)] = data
+                filled += data.size
+        if filled != full.size:
+            raise ValueError(f"assemble_shards: leaf {i} {shape}: {filled} of {full.size} values")
+        leaves.append(full)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+class WeightBroker:
+    """A Ray actor on a pod: per weight version, the ObjectRef of each trainer process's shards.
+
+    Every process puts its own shards (`local_shards`) in the object store and hands the broker
+    the ref (boxed, so Ray passes it by reference and counts the broker as a borrower); `get`
+    waits until every process has done so for that key, then returns the refs in process order.
+    Each process asks once per key; once all have their answer the broker forgets the key, so
+    a version's shards live exactly as long as some driver's answer (its newest version, or one
+    a running batch names) refers to them: Ray counts the refs nested in an answer."""
+
+    def __init__(self, num_processes: int):
+        import asyncio
+
+        self.num_processes = num_processes
+        self.refs: dict[tuple, dict[int, ray.ObjectRef]] = {}
+        self.answered: dict[tuple, int] = {}
+        self.changed = asyncio.Condition()
+
+    def ready(self) -> bool:
+        return True
+
+    def num_keys(self) -> int:
+        """Keys not yet answered to every process (a test hook)."""
+        return len(self.refs)
+
+    async def put(self, key: tuple, process: int, box: list) -> None:
+        async with self.changed:
+            self.refs.setdefault(key, {})[process] = box[0]
+            self.changed.notify_all()
+
+    async def get(self, key: tuple) -> list:
+        async with self.changed:
+            await self.changed.wait_for(lambda: len(self.refs.get(key, ())) == self.num_processes)
+            refs = [self.refs[key][p] for p in range(self.num_processes)]
+            self.answered[key] = self.answered.get(key, 0) + 1
+            if self.answered[key] == self.num_processes:
+                del self.refs[key], self.answered[key]
+            return refs
+
+
+def pull_weights(box: list):
+    """A worker's host copy of published weights: the tree itself (one trainer process), or a
+    broker answer, one ref per trainer process, whose shards it assembles (a pod)."""
+    value = ray.get(box[0])
+    if isinstance(value, list):
+        return assemble_shards(ray.get(value))
+    return value
+
+
+BROKER_NAMESPACE = "jgrpo"
+"""Ray namespace of the pod's WeightBroker (named actors are looked up within a namespace)."""
 
 
 class RolloutWorker:
@@ -191,12 +352,12 @@ class RolloutWorker:
         pull_s = 0.0
         if frozen_box is not None and self.frozen is None:
             start = time.perf_counter()
-            self.frozen = jax.block_until_ready(jax.device_put(ray.get(frozen_box[0])))
+            self.frozen = jax.block_until_ready(jax.device_put(pull_weights(frozen_box)))
             pull_s += time.perf_counter() - start
         if version != self.version:
             start = time.perf_counter()
             self.params = None  # free the old copy before the new one lands
-            self.params = jax.block_until_ready(jax.device_put(ray.get(params_box[0])))
+            self.params = jax.block_until_ready(jax.device_put(pull_weights(params_box)))
             self.version = version
             pull_s += time.perf_counter() - start
         start = time.perf_counter()
@@ -241,8 +402,11 @@ class RayRollout:
         frozen=None,
         num_cpus_per_worker: Optional[float] = None,
         num_gpus_per_worker: Optional[float] = None,
+        reward_names: tuple[str, ...] = (),
     ):
         ro = cfg.rollout
+        self.pod = distributed.is_multiprocess()
+        self.reward_names = tuple(reward_names)
         self.cfg = cfg
         self.model_folder = str(model_folder)
         self.seed = cfg.grpo.seed
@@ -251,9 +415,19 @@ class RayRollout:
         self.max_failures = ro.max_worker_failures
         self.failures = 0
         self.owns_ray = init_ray(ro.ray_address)
-        cpus, gpus, env = worker_resources(ro.num_workers, num_cpus_per_worker, num_gpus_per_worker)
+        cpus, gpus, env = worker_resources(
+            ro.num_workers, num_cpus_per_worker, num_gpus_per_worker, distributed.process_count()
+        )
+        options: dict[str, Any] = {}
+        self._broker = None
+        if self.pod:  # this process's workers near its shards when resources allow
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            node = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            self._broker = self._join_broker()
         self._actor_cls = ray.remote(RolloutWorker).options(
-            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env}, max_restarts=0
+            num_cpus=cpus, num_gpus=gpus, runtime_env={"env_vars": env}, max_restarts=0, **options
         )
         self._workers: list[Any] = [None] * ro.num_workers
         self._pids: list[Any] = [None] * ro.num_workers
@@ -274,9 +448,11 @@ class RayRollout:
 
     def publish(self, params, version: int) -> dict[str, float]:
         """Host-gather `params` once and put one object for the workers to pull (and the
-        frozen base, on the first publish only)."""
+        frozen base, on the first publish only). On a pod: this process's shards only."""
         if self._latest is not None and version <= self._latest[0]:
             raise ValueError(f"publish: version {version} after version {self._latest[0]}")
+        if self.pod:
+            return self._publish_shards(params, version)
         start = time.perf_counter()
         host = jax.device_get(params)
         frozen_host = None
@@ -297,13 +473,42 @@ class RayRollout:
             "rollout/worker_failures": float(self.failures),
         }
 
+    def _publish_shards(self, params, version: int) -> dict[str, float]:
+        """A pod's publish: put the shards this process sends (`local_shards`) and register
+        them with the broker; the workers assemble every process's shards."""
+        me = distributed.process_index()
+        start = time.perf_counter()
+        part = local_shards(params)
+        base = None
+        if self._frozen is not None and self._frozen_ref is None:
+            base = local_shards(self._frozen)
+        gathered = time.perf_counter()
+        if base is not None:
+            self._broker.put.remote(("base",), me, [ray.put(base)])
+            self._frozen_ref = self._broker.get.remote(("base",))
+        self._broker.put.remote(("params", version), me, [ray.put(part)])
+        self._latest = (version, self._broker.get.remote(("params", version)))
+        done = time.perf_counter()
+        self._pump()
+        leaves = [leaf for p in (part, base) if p is not None for leaf in p["leaves"]]
+        nbytes = sum(data.nbytes for _, _, shards in leaves for _, data in shards)
+        return {
+            "rollout/weight_sync_s": done - start,
+            "rollout/weight_gather_s": gathered - start,
+            "rollout/weight_put_s": done - gathered,
+            "rollout/weight_mb": nbytes / 2**20,
+            "rollout/worker_failures": float(self.failures),
+        }
+
     def request(self, step: int, examples: list) -> None:
-        """Queue step's batch; it starts now if a worker is idle and the weights are fresh."""
+        """Queue step's batch; it starts now if a worker is idle and the weights are fresh.
+        On a pod: this process's slice of the examples only."""
         name = ("train", step)
         if name in self._requested:
             raise ValueError(f"request: step {step} was already requested")
         self._requested.add(name)
-        self._queue += self._split(name, step, examples, 0, self.num_generations, False)
+        lo, hi = distributed.process_slice(len(examples))
+        self._queue += self._split(name, step, examples[lo:hi], 0, self.num_generations, False, lo)
         self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, j.name[2]))
         self._pump()
 
@@ -320,7 +525,9 @@ class RayRollout:
         """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
         name = ("eval", self._num_evals)
         self._num_evals += 1
-        self._queue[:0] = self._split(name, step, examples, VALIDATION_SALT, pass_k, pass_k == 1)
+        lo, hi = distributed.process_slice(len(examples))
+        jobs = self._split(name, step, examples[lo:hi], VALIDATION_SALT, pass_k, pass_k == 1, lo)
+        self._queue[:0] = jobs
         return self._gather(name)
 
     def close(self) -> None:
@@ -332,6 +539,10 @@ class RayRollout:
         self._queue.clear()
         self._latest = None
         self._frozen_ref = None
+        if self._broker is not None and distributed.is_primary():
+            # every process is past its last pull: the run's last step ended in a collective
+            ray.kill(self._broker, no_restart=True)
+        self._broker = None
         if self.owns_ray:
             ray.shutdown()
             self.owns_ray = False
@@ -344,6 +555,30 @@ class RayRollout:
 
     # ------------------------------------------------------------------------- scheduling
 
+    def _join_broker(self):
+        """The pod's WeightBroker: process 0 starts it under a fresh name, every process
+        learns the name from a host gather and looks it up."""
+        import uuid
+
+        name = f"jgrpo-weights-{uuid.uuid4().hex}"
+        if distributed.is_primary():
+            broker = (
+                ray.remote(WeightBroker)
+                .options(
+                    name=name,
+                    namespace=BROKER_NAMESPACE,
+                    num_cpus=0,
+                    max_restarts=0,
+                    runtime_env={"env_vars": _driver_paths() | {"JAX_PLATFORMS": "cpu"}},
+                )
+                .remote(distributed.process_count())
+            )
+            ray.get(broker.ready.remote())
+        name = distributed.allgather(name.encode(), raw=True)[0].decode()
+        if not distributed.is_primary():
+            broker = ray.get_actor(name, namespace=BROKER_NAMESPACE)
+        return broker
+
     def _start_worker(self, i: int) -> None:
         worker = self._actor_cls.remote(self.cfg, self.model_folder)
         self._workers[i] = worker
@@ -353,8 +588,9 @@ class RayRollout:
         ray.kill(self._workers[i], no_restart=True)  # it may still be alive after an exception
         self._start_worker(i)
 
-    def _split(self, name, step, examples, salt, num_generations, greedy) -> list[_Job]:
-        """One job per worker over contiguous prompt ranges (per-row keys: same draws)."""
+    def _split(self, name, step, examples, salt, num_generations, greedy, first=0) -> list[_Job]:
+        """One job per worker over contiguous prompt ranges (per-row keys: same draws);
+        `first`: the index of examples[0] in the whole step (a pod host's slice)."""
         bounds = np.linspace(0, len(examples), min(len(self._workers), len(examples)) + 1)
         bounds = bounds.astype(int)
         staleness = None if name[0] == "eval" else self.max_staleness
@@ -367,7 +603,7 @@ class RayRollout:
                 num_generations,
                 greedy,
                 staleness,
-                first_prompt=int(lo),
+                first_prompt=first + int(lo),
             )
             for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
         ]
@@ -378,13 +614,18 @@ class RayRollout:
         """Wait for every part of `name` and join them in row order."""
         jobs = self._parts.pop(name)
         parts = [self._wait_for(job.name) for job in jobs]
-        result = concat_results(parts, [job.first_prompt for job in jobs])
+        result = concat_results(parts, [job.first_prompt for job in jobs]) if parts else None
+        if self.pod:  # this host's rows, the pod's statistics (collective)
+            if name[0] == "train":
+                result = join_pod_slice(result)
+            else:
+                result = gather_pod_rows(result, self.reward_names)
         staleness = name[1] - result.batch["weight_version"].astype(np.int64)
         if name[0] == "train":
             result.stats["rollout/staleness_max"] = float(staleness.max())
             result.stats["rollout/staleness_mean"] = float(staleness.mean())
         for key in ("rollout/weight_pull_s", "rollout/generate_s"):
-            result.stats[key] = max(p.stats[key] for p in parts)
+            result.stats[key] = max((p.stats[key] for p in parts), default=0.0)
         result.stats["rollout/worker_failures"] = float(self.failures)
         result.stats["rollout/regenerated"] = float(self._regenerated)
         return result
