@@ -1,6 +1,9 @@
 """Shared fixtures. Sets 8 fake CPU devices before jax is imported (the only place that does)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -9,9 +12,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # One persistent XLA compilation cache for this test process (not exported: subprocesses,
+    # pods and Ray workers compile on their own). The suite compiles the same tiny programs in
+    # many runs (each train.run jits its own step and sampler); a hit skips XLA's compile, not
+    # the trace, so compile counts stay. Measured: three tiny runs 64.8 -> 36.9 CPU s.
+    import jax  # noqa: E402
+
+    _XLA_CACHE = tempfile.mkdtemp(prefix="jgrpo-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 from jgrpo.models.sources import tiny_model_fields  # noqa: E402
 

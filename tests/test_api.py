@@ -49,7 +49,7 @@ def matches_target(prompts, completions, target, **kwargs):
 QUICK = [
     "data.task=prompts",
     "data.num_val_examples=2",
-    "grpo.max_num_steps=2",
+    "grpo.max_num_steps=3",
     "grpo.val_at_start=false",
     "grpo.val_at_end=true",
     "logging.tensorboard=false",
@@ -110,13 +110,13 @@ def test_prompts_dataset_and_batched_reward_via_cli_and_api(tmp_path, monkeypatc
     )
     err = capsys.readouterr().err
     assert code == 0, err
-    assert _check_seen(tmp_path / "seen_cli.jsonl") >= 2 * 16  # 2 steps of 4 x 4 rows
+    assert _check_seen(tmp_path / "seen_cli.jsonl") >= 3 * 16  # 3 steps of 4 x 4 rows
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert all("reward/matches_target/mean" in r for r in rows)
     assert all(r["reward/num_none"] is not None for r in rows)
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert {s["step"] for s in samples} == {1, 2} and "completion" in samples[0]
+    assert {s["step"] for s in samples} == {1, 2, 3} and "completion" in samples[0]
     _check_final_folder(run_dir / "final")  # `jgrpo train` on configs/tiny.yaml left it
 
     # 2. the Python API, model from a (faked) HF cache, the reward as a function object
@@ -131,9 +131,9 @@ def test_prompts_dataset_and_batched_reward_via_cli_and_api(tmp_path, monkeypatc
         run_dir=tmp_path / "api",
         overrides=[*QUICK, "model.path=someone/tiny-chat"],
     ).train()
-    assert _check_seen(tmp_path / "seen_api.jsonl") >= 2 * 16
-    assert [r["step"] for r in result.metrics] == [1, 2]
-    assert result.history and result.history[-1]["step"] == 2
+    assert _check_seen(tmp_path / "seen_api.jsonl") >= 3 * 16
+    assert [r["step"] for r in result.metrics] == [1, 2, 3]
+    assert result.history and result.history[-1]["step"] == 3
     assert result.model_dir == tmp_path / "api" / "final"
     assert (result.model_dir / "model.safetensors").is_file()
 

@@ -373,8 +373,8 @@ from jgrpo.cli import main
 finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
 async def killing_finalize(self):
-    # every item of step 3 is written; the kill lands just before the step folder's rename
-    if self.get_final().name == "3":
+    # every item of step 4 is written; the kill lands just before the step folder's rename
+    if self.get_final().name == "4":
         os.kill(os.getpid(), signal.SIGKILL)
     return await finalize(self)
 
@@ -386,8 +386,8 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow
 def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsys, tmp_path):
     common = [
-        "grpo.max_num_steps=4",
-        "checkpoint.save_period=1",
+        "grpo.max_num_steps=6",
+        "checkpoint.save_period=2",
         "grpo.val_period=3",
         "data.num_val_examples=4",
         "logging.tensorboard=false",
@@ -403,9 +403,9 @@ def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsy
     assert code == 0, err
     assert (full / ".jgrpo-run").is_file()
     want = comparable(read_metrics(full))
-    assert [r["step"] for r in want] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in want] == [0, 1, 2, 3, 4, 5, 6]
 
-    # 1. SIGKILL inside the save of step 3: the resume starts from step 2
+    # 1. SIGKILL inside the save of step 4: the resume starts from step 2
     killed = tmp_path / "killed"
     proc = subprocess.run(
         [
@@ -424,7 +424,7 @@ def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsy
         timeout=600,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    assert not (killed / "checkpoints" / "3").exists()
+    assert not (killed / "checkpoints" / "4").exists()
     assert (killed / "checkpoints" / "2" / "jgrpo_checksums.json").is_file()
     code, _, err = run_cli(
         capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
@@ -432,9 +432,8 @@ def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsy
     assert code == 0, err
     assert comparable(read_metrics(killed)) == want
 
-    # 2. the newest checkpoint (the resumed run's) damaged afterwards, and a torn line in the
-    # middle of metrics.jsonl
-    state_files = [p for p in (killed / "checkpoints" / "4" / "state").rglob("*") if p.is_file()]
+    # 2. the newest checkpoint damaged afterwards, and a torn line in the middle of metrics.jsonl
+    state_files = [p for p in (killed / "checkpoints" / "6" / "state").rglob("*") if p.is_file()]
     biggest = max(state_files, key=lambda p: p.stat().st_size)
     data = bytearray(biggest.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -446,13 +445,13 @@ def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsy
         capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
     )
     assert code == 0, err
-    assert "jgrpo: warning: checkpoint damaged, resuming from step 3 (step 4: " in err
+    assert "jgrpo: warning: checkpoint damaged, resuming from step 4 (step 6: " in err
     assert "dropped 1 damaged line(s) (line 3)" in err
     rows = comparable(read_metrics(killed))
     assert rows == [r for r in want if r["step"] != 2]  # the torn line is gone, the rest equal
     from jgrpo.checkpoint import verify_step
 
-    assert verify_step(killed / "checkpoints" / "4") is None  # saved again, intact
+    assert verify_step(killed / "checkpoints" / "6") is None  # saved again, intact
 
 
 def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, tmp_path):

@@ -364,20 +364,33 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     assert np.abs(np.asarray(data["prev_logprobs"] - want)).max() > 1e-2
 
 
+LORA_RUN = [*QUIET, *LORA8, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
+"""Three LoRA steps; the one checkpoint is the last step's."""
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """The run folder of LORA_RUN (shared: the export test reads it, the resume test compares
+    with it)."""
+    from jgrpo import train
+    from jgrpo.config import load_config
+
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    train.run(load_config(TINY, LORA_RUN), run_dir)
+    return run_dir
+
+
 @pytest.mark.slow
-def test_run_export_merged_and_peft_match_the_trained_policy(tmp_path):
+def test_run_export_merged_and_peft_match_the_trained_policy(lora_run, tmp_path):
     """A LoRA run's checkpoint holds adapters + optimizer state only; `jgrpo export` merges
     them into the base (transformers loads it with our logits), `--adapter` writes PEFT."""
-    from jgrpo import train
     from jgrpo.cli import main
     from jgrpo.config import load_config
     from jgrpo.export import load_checkpoint_model
     from jgrpo.models.sources import resolve_model_path
 
-    cfg = load_config(TINY, [*QUIET, *LORA8, "grpo.max_num_steps=2", "checkpoint.save_period=2"])
-    run_dir = tmp_path / "run"
-    train.run(cfg, run_dir)
-    ckpt = run_dir / "checkpoints" / "2"
+    cfg, run_dir = load_config(TINY, LORA_RUN), lora_run
+    ckpt = run_dir / "checkpoints" / "3"
     structure = (ckpt / "structure" / "metadata").read_text()
     assert "lora" in structure and "'embed'" not in structure  # no base weights in it
     model, folder, _ = load_checkpoint_model(run_dir)
@@ -395,7 +408,7 @@ def test_run_export_merged_and_peft_match_the_trained_policy(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
+def test_lora_resume_repeats_the_uninterrupted_run(lora_run, tmp_path, monkeypatch):
     """Checkpoint (adapters + optimizer state) at step 2, stop, resume (base re-read from
     model.path): the metrics equal those of the uninterrupted run."""
     from jgrpo import train
@@ -403,9 +416,7 @@ def test_lora_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
     from jgrpo.metrics import read_metrics
     from jgrpo.rollout import LocalRollout, RolloutFailure
 
-    overrides = [*QUIET, *LORA8, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
-    full_dir, broken_dir = tmp_path / "full", tmp_path / "broken"
-    train.run(load_config(TINY, overrides), full_dir)
+    overrides, full_dir, broken_dir = LORA_RUN, lora_run, tmp_path / "broken"
     collect = LocalRollout.collect
 
     def failing_collect(self, step):
