@@ -76,8 +76,7 @@ class ModelConfig:
     logprob_chunk_size: int = 128
     """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
     kernels: Literal["auto", "cpu", "portable"] = "auto"
-    """Platform kernels (jgrpo/models/kernels.py): auto = cpu on the CPU backend, portable
-    (jax.nn.dot_product_attention, jax.random) elsewhere."""
+    """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
 
