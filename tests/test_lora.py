@@ -277,15 +277,15 @@ def test_lora_over_a_bfloat16_base_trains(tmp_path):
     cfg = load_config(TINY, [*QUIET, *LORA8, "model.dtype=bfloat16", "grpo.max_num_steps=2"])
     t = train.setup(cfg, tmp_path / "run", resume=False)
     try:
-        assert {str(x.dtype) for x in jax.tree.leaves(t.frozen)} == {"bfloat16"}
+        assert {str(x.dtype) for x in jax.tree.leaves(t.setup.frozen)} == {"bfloat16"}
         assert {str(x.dtype) for x in jax.tree.leaves(t.state.params)} == {"float32"}
-        base_before = jax.tree.map(np.asarray, t.frozen)
+        base_before = jax.tree.map(np.asarray, t.setup.frozen)
         rows = run_steps(t, 2)
         for r in rows:
             assert np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0
             assert np.isfinite(r["train/grad_norm"])
             assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001  # bf16 sampler vs trainer
-        for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(t.frozen), strict=True):
+        for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(t.setup.frozen), strict=True):
             np.testing.assert_array_equal(np.asarray(b), a)
         moments = [x for x in jax.tree.leaves(t.state.opt_state) if x.ndim > 0]
         assert moments and all(x.dtype == jnp.float32 for x in moments)
