@@ -113,7 +113,8 @@ def test_sync_matches_local_backend(folder, versions, local_results):
             assert np.all(got.batch["weight_version"] == step)
             assert got.stats["rollout/staleness_max"] == 0.0
             for key, value in want[step].stats.items():
-                assert got.stats[key] == value, key
+                if not key.startswith("perf/"):  # timings of the rollout's phases
+                    assert got.stats[key] == value, key
             with pytest.raises(KeyError, match="not requested"):
                 backend.collect(step)
         val = make_task(cfg.data, cfg.grpo.seed).val[:3]
