@@ -465,6 +465,10 @@ class RayRollout:
         done = time.perf_counter()
         self._pump()
         nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves((host, frozen_host)))
+        return self._sync_metrics(start, gathered, done, nbytes)
+
+    def _sync_metrics(self, start: float, gathered: float, done: float, nbytes: int) -> dict:
+        """A publish's metrics: its gather (device -> host) and put (-> object store) times."""
         return {
             "rollout/weight_sync_s": done - start,
             "rollout/weight_gather_s": gathered - start,
@@ -492,13 +496,7 @@ class RayRollout:
         self._pump()
         leaves = [leaf for p in (part, base) if p is not None for leaf in p["leaves"]]
         nbytes = sum(data.nbytes for _, _, shards in leaves for _, data in shards)
-        return {
-            "rollout/weight_sync_s": done - start,
-            "rollout/weight_gather_s": gathered - start,
-            "rollout/weight_put_s": done - gathered,
-            "rollout/weight_mb": nbytes / 2**20,
-            "rollout/worker_failures": float(self.failures),
-        }
+        return self._sync_metrics(start, gathered, done, nbytes)
 
     def request(self, step: int, examples: list) -> None:
         """Queue step's batch; it starts now if a worker is idle and the weights are fresh.
