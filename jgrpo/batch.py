@@ -7,7 +7,8 @@ per-row arrays are [B]. `FIELDS` holds every field's axes and dtype:
 
   input_ids           [B, T] int32    left-padded prompt ++ completion, pad after the end
   attention_mask      [B, T] float32  1 on real tokens (prompt and completion)
-  token_mask          [B, T] float32  1 on generated tokens (the stop token included)
+  token_mask          [B, T] float32  1 on generated tokens (the stop token included), all
+                                      at columns >= rollout.prompt_bucket
   generation_logprobs [B, T] float32  the sampler's logprob of each generated token, 0 elsewhere
   rewards             [B]    float32  the scalar reward of each row
   group_ids           [B]    int32    rows of one prompt share an id (the group of GRPO)
@@ -18,6 +19,9 @@ API:
   rollout engine's batch carries extra statistics) and checks shapes and dtypes.
 - `TrainBatch.abstract(rows, tokens, mesh=None)`: the batch of `jax.ShapeDtypeStruct`s (with
   the batch sharding when a mesh is given) that inspect-step and compile-only tools lower on.
+- `batch.check_scored_from(first)`: rejects a generated token left of column `first` (the
+  train step scores columns from rollout.prompt_bucket on; the rollout engine never puts one
+  there).
 - `batch.shard(mesh)`: host (numpy) -> device arrays split over the mesh's batch axes through
   `sharding.shard_batch` (`jax.make_array_from_process_local_data`: on several hosts, each
   process passes its own rows and the result is the global batch).
@@ -89,6 +93,18 @@ class TrainBatch:
                     f"TrainBatch.{name}: {value.dtype}{list(value.shape)}, want "
                     f"{np.dtype(dtype)}{list(want)}"
                 )
+        return self
+
+    def check_scored_from(self, first: int) -> TrainBatch:
+        """Raise ValueError if a generated token (token_mask) sits in a column < `first`: the
+        train step computes no logprob there (`StepFlags.first_scored`)."""
+        early = np.asarray(self.token_mask)[:, :first]
+        if early.any():
+            column = int(np.argmax(early.any(axis=0)))
+            raise ValueError(
+                f"TrainBatch.token_mask: a generated token in column {column}, left of "
+                f"rollout.prompt_bucket = {first}: completions must start at or after it"
+            )
         return self
 
     def shard(self, mesh) -> TrainBatch:

@@ -130,17 +130,18 @@ def _dims(text: str) -> tuple[int, ...]:
 def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
-    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention
-    scores + values 4Tnh (the full T x T square: masking saves nothing), LoRA adapters
-    2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
-    positions. A frozen forward (ref, prev) costs one forward; the policy costs its forward
-    and a backward. Full fine-tuning: the backward is 2 forwards (every matmul differentiates
-    both operands). LoRA: the frozen base weights and the (frozen) head take no weight
-    gradient, so their matmuls cost one more forward only (the activation gradient), while
-    attention and the adapters cost two; the reference forward is the base alone (adapters
-    skipped). Remat recomputes the layers again (full) or their attention (dots), and always
-    the head (each logprob chunk is a jax.checkpoint). `model` leaves the recompute out (the
-    numerator of MFU), `step` includes it (what the compiled program executes)."""
+    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention scores +
+    values 4Tnh (the full T x T square: masking saves nothing), LoRA adapters 2r(in + out) per
+    targeted projection (x A, then B); the LM head 2dV over the chunk-padded positions after the
+    prompt bucket (the only ones scored). A frozen forward (ref, prev) costs one forward; the
+    policy costs its forward and a backward. Full fine-tuning: the backward is 2 forwards (every
+    matmul differentiates both operands). LoRA: the frozen base weights and the (frozen) head
+    take no weight gradient, so their matmuls cost one more forward only (the activation
+    gradient), while attention and the adapters cost two; the reference forward is the base
+    alone (adapters skipped). Remat recomputes the layers again (full) or their attention
+    (dots), and always the head (each logprob chunk is a jax.checkpoint). `model` leaves the
+    recompute out (the numerator of MFU), `step` includes it (what the compiled program
+    executes)."""
     m, g, ro = model_cfg, cfg.grpo, cfg.rollout
     b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
     d, n, k, h, f, v, l = (
@@ -152,8 +153,9 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
         m.vocab_size,
         m.num_layers,
     )
-    chunk = min(m.logprob_chunk_size or t, t)
-    head_positions = -(-t // chunk) * chunk
+    scored = t - min(ro.prompt_bucket, t)  # the head runs from the first scored column on
+    chunk = min(m.logprob_chunk_size or scored, scored)
+    head_positions = -(-scored // chunk) * chunk if scored else 0
     tokens = b * t
     attention = tokens * l * 4 * t * n * h
     weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)

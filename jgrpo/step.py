@@ -91,6 +91,10 @@ class StepFlags:
     lora: bool = False
     """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
     forward with the adapters skipped) and no reference copy exists."""
+    first_scored: int = 1
+    """The first batch column that may hold a generated token (rollout.prompt_bucket: every
+    prompt is left-padded to a multiple of it). The forwards compute no logits left of it;
+    `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepFlags:
@@ -107,6 +111,7 @@ class StepFlags:
             warmup_steps=cfg.optim.warmup_steps,
             total_updates=cfg.grpo.max_num_steps * cfg.grpo.num_minibatches,
             lora=cfg.model.lora.rank > 0,
+            first_scored=cfg.rollout.prompt_bucket,
         )
 
 
@@ -258,25 +263,32 @@ def with_frozen(params, frozen):
     return out
 
 
-def sequence_logprobs(graphdef, params, batch, temperature, use_lora=True):
+def sequence_logprobs(graphdef, params, batch, temperature, use_lora=True, first_scored=1):
     """[B, T] float32 logprobs of batch["input_ids"] under the model (temperature-scaled),
-    through `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits);
-    use_lora=False skips the LoRA adapters (the base model)."""
+    through `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the
+    columns before `first_scored` (no logits computed there); use_lora=False skips the LoRA
+    adapters (the base model)."""
     model = nnx.merge(graphdef, params)
     return model.token_logprobs(
-        batch["input_ids"], batch["attention_mask"], temperature, use_lora=use_lora
+        batch["input_ids"],
+        batch["attention_mask"],
+        temperature,
+        use_lora=use_lora,
+        first_scored=first_scored,
     )
 
 
-def frozen_logprobs(name, graphdef, params, batch, temperature, num_chunks, use_lora=True):
+def frozen_logprobs(
+    name, graphdef, params, batch, temperature, num_chunks, use_lora=True, first_scored=1
+):
     """A no-gradient forward over the whole batch in `num_chunks` chunks (bounded memory)."""
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+
+    def forward(_, mb):
+        return None, sequence_logprobs(graphdef, params, mb, temperature, use_lora, first_scored)
+
     with jax.named_scope(f"forward_{name}"):
-        _, lp_kbt = scan_chunks(
-            lambda _, mb: (None, sequence_logprobs(graphdef, params, mb, temperature, use_lora)),
-            None,
-            chunk_rows(inputs, num_chunks),
-        )
+        _, lp_kbt = scan_chunks(forward, None, chunk_rows(inputs, num_chunks))
     return jax.lax.stop_gradient(unchunk_rows(lp_kbt))
 
 
@@ -333,10 +345,12 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
         # LoRA: the reference is the base, the policy's own arrays with the adapters skipped
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         data["reference_logprobs"] = frozen_logprobs(
-            "ref", graphdef, ref, batch, temp, chunks, use_lora
+            "ref", graphdef, ref, batch, temp, chunks, use_lora, flags.first_scored
         )
     if flags.compute_prev_logprobs:
-        data["prev_logprobs"] = frozen_logprobs("prev", graphdef, state.params, batch, temp, chunks)
+        data["prev_logprobs"] = frozen_logprobs(
+            "prev", graphdef, state.params, batch, temp, chunks, True, flags.first_scored
+        )
     if flags.use_logprob_error_threshold:
         mask_bt = batch["token_mask"] * batch["sample_mask"][:, None]
         e_b = losses.seq_logprob_error(data["prev_logprobs"], batch["generation_logprobs"], mask_bt)
@@ -388,7 +402,9 @@ def accumulate_gradients(
     def loss_fn(params, mb):
         with jax.named_scope("forward_policy"):
             full = with_frozen(params, frozen)
-            lp_bt = sequence_logprobs(graphdef, full, mb, hparams["temperature"])
+            lp_bt = sequence_logprobs(
+                graphdef, full, mb, hparams["temperature"], first_scored=flags.first_scored
+            )
         return losses.policy_loss(lp_bt, mb, loss_cfg, n_tok, n_seq)
 
     def micro(grads, mb):

@@ -33,8 +33,14 @@ TINY_MODEL_FIELDS = tiny_model_fields()
 """TransformerConfig fields of the tiny Qwen2-shaped model the step tests train (d 32, GQA)."""
 
 
+ROLLOUT_BATCH_BUCKET = "rollout.prompt_bucket=5"
+"""The override a step built for `make_rollout_batch` needs: its completions start at column 5
+(the step scores columns from rollout.prompt_bucket on)."""
+
+
 def make_rollout_batch(seed, num_prompts=4, group=4, prompt_len=5, total_len=14, vocab=64):
-    """A synthetic rollout batch (the trainer -> step boundary) with ragged lengths."""
+    """A synthetic rollout batch (the trainer -> step boundary) with ragged lengths; completions
+    from column `prompt_len` on (build the step with ROLLOUT_BATCH_BUCKET)."""
     rng = np.random.RandomState(seed)
     b = num_prompts * group
     input_ids = rng.randint(1, vocab, (b, total_len)).astype(np.int32)

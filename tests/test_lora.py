@@ -331,12 +331,14 @@ def test_lora_step_holds_no_reference_copy():
 
 def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     """The step's reference forward (the LoRA model, adapters skipped) = the base model's."""
+    from conftest import ROLLOUT_BATCH_BUCKET
+
     from jgrpo import sharding, step
     from jgrpo.config import load_config
     from jgrpo.models import model_options
     from jgrpo.models.sources import resolve_model_path
 
-    cfg = load_config(TINY, [*LORA8, "mesh.data=1"])
+    cfg = load_config(TINY, [*LORA8, "mesh.data=1", ROLLOUT_BATCH_BUCKET])
     folder = resolve_model_path(cfg.model.path)
     base = from_pretrained(folder, **model_options(cfg.model))
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
@@ -356,9 +358,11 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
 
     data, _ = prepared(built.state.params, built.frozen, batch)
     base_graphdef, base_state = nnx.split(base)
-    want = jax.jit(step.sequence_logprobs)(
-        base_graphdef, nnx.to_pure_dict(base_state), batch, hp["temperature"]
+    first = built.flags.first_scored  # the step computes no logits for the prompt columns
+    want = jax.jit(step.sequence_logprobs, static_argnums=(4, 5))(
+        base_graphdef, nnx.to_pure_dict(base_state), batch, hp["temperature"], True, first
     )
+    assert first == 5 and not np.asarray(want[:, :first]).any()
     np.testing.assert_array_equal(data["reference_logprobs"], want)
     # and the policy (prev) forward does use the adapters
     assert np.abs(np.asarray(data["prev_logprobs"] - want)).max() > 1e-2
@@ -443,7 +447,7 @@ def lora_step_on(mesh_shape, overrides):
     LoRA step on a mesh."""
     import dataclasses
 
-    from conftest import make_rollout_batch
+    from conftest import ROLLOUT_BATCH_BUCKET, make_rollout_batch
 
     from jgrpo import sharding, step
     from jgrpo.batch import TrainBatch
@@ -456,6 +460,7 @@ def lora_step_on(mesh_shape, overrides):
         "optim.learning_rate=1e-2",
         "model.lora.rank=8",
         "loss.reference_policy_kl_penalty=0.1",
+        ROLLOUT_BATCH_BUCKET,
     ]
     cfg = load_config(None, base + list(overrides))
     data, fsdp, tensor = mesh_shape

@@ -100,21 +100,25 @@ def test_model_kernels_is_validated():
         load_config(TINY, ["model.kernels=gpu"])
 
 
-def chunked_vs_reference(model, batch, temperature, chunk):
+def chunked_vs_reference(model, batch, temperature, chunk, first=1):
+    """token_logprobs (chunks of `chunk` positions, scoring columns >= `first`) vs the full
+    logits' losses.token_logprobs with the columns before `first` zeroed: (lp, grads) each."""
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     cfg = model.cfg.__class__(**{**vars(model.cfg), "logprob_chunk_size": chunk})
-    tm = jnp.asarray(batch["token_mask"])
+    scored_t = jnp.arange(ids.shape[1]) >= first
+    tm = jnp.asarray(batch["token_mask"]) * scored_t
 
     def chunked(p):
         m = nnx.merge(nnx.graphdef(Transformer(cfg, rngs=nnx.Rngs(0))), p)
-        lp = m.token_logprobs(ids, mask, temperature)
+        lp = m.token_logprobs(ids, mask, temperature, first_scored=first)
         return jnp.sum(lp * tm), lp
 
     def reference(p):
         m = nnx.merge(graphdef, p)
         lp = losses.token_logprobs(m(ids, attention_mask_bt=mask), ids, temperature)
+        lp = jnp.where(scored_t, lp, 0.0)
         return jnp.sum(lp * tm), lp
 
     (_, lp), g = jax.jit(jax.value_and_grad(chunked, has_aux=True))(params)
@@ -122,15 +126,20 @@ def chunked_vs_reference(model, batch, temperature, chunk):
     return (lp, g), (lp_ref, g_ref)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 5, 14, 0])
-def test_chunked_logprobs_match_the_full_logits_reference(chunk):
+@pytest.mark.parametrize(
+    "chunk, first", [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1), (4, 5), (0, 5), (2, 13), (0, 14)]
+)
+def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
+    """Any chunking, scoring every column (first 1) or only those from the completion's first
+    column (5, as the trainer does), the last one (13) or none (14): the full-logits numbers."""
     model = Transformer(MODEL, rngs=nnx.Rngs(1), init_scale=0.3)
     batch = make_rollout_batch(3)  # T = 14: chunks of 4 and 5 leave a ragged last chunk
-    (lp, g), (lp_ref, g_ref) = chunked_vs_reference(model, batch, 0.7, chunk)
+    (lp, g), (lp_ref, g_ref) = chunked_vs_reference(model, batch, 0.7, chunk, first)
     assert lp.dtype == jnp.float32 and lp.shape == batch["input_ids"].shape
-    assert float(jnp.abs(lp_ref).max()) > 1.0  # logprobs are O(1): the comparison means something
+    if first < 14:  # logprobs are O(1): the comparison means something
+        assert float(jnp.abs(lp_ref).max()) > 1.0
     np.testing.assert_allclose(np.asarray(lp), np.asarray(lp_ref), atol=2e-6, rtol=1e-6)
-    assert np.all(np.asarray(lp)[:, 0] == 0.0)
+    assert np.all(np.asarray(lp)[:, :first] == 0.0)
     # the head gradient is summed chunk by chunk instead of in one dot: float32 rounding of
     # a different summation order, relative to the gradient's scale
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY_MODEL_FIELDS, make_rollout_batch
+from conftest import ROLLOUT_BATCH_BUCKET, TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
 from jgrpo import losses, sharding, step
@@ -20,6 +20,7 @@ BASE = [
     "grpo.num_generations_per_prompt=4",
     "optim.learning_rate=1e-3",
     "rollout.temperature=0.9",
+    ROLLOUT_BATCH_BUCKET,
 ]
 
 
@@ -60,7 +61,11 @@ def compiled(overrides):
 def standalone_forward_cost():
     _, state, _, hp, batch, _, graphdef, flags = build()
     exe = (
-        jax.jit(lambda p, b: step.frozen_logprobs("x", graphdef, p, b, hp["temperature"], 1))
+        jax.jit(
+            lambda p, b: step.frozen_logprobs(
+                "x", graphdef, p, b, hp["temperature"], 1, first_scored=flags.first_scored
+            )
+        )
         .lower(state.params, batch)
         .compile()
     )
@@ -340,3 +345,13 @@ def test_frozen_split_trains_only_the_trainable_tree():
             )
             assert min(jax.tree.leaves(moved)) > 0
     assert losses_["layers"] == pytest.approx(losses_["all"], abs=1e-6)
+
+
+def test_a_generated_token_left_of_the_prompt_bucket_is_rejected():
+    """The step computes no logprob left of rollout.prompt_bucket (StepFlags.first_scored): a
+    batch with a generated token there stops with a line naming the column and the key."""
+    host = make_rollout_batch(0)  # completions from column 5 on
+    assert TrainBatch(**host).check_scored_from(5) is not None
+    host["token_mask"][3, 4] = 1.0
+    with pytest.raises(ValueError, match=r"column 4, left of rollout.prompt_bucket = 5"):
+        TrainBatch(**host).check_scored_from(5)

@@ -427,11 +427,19 @@ class Transformer(nnx.Module):
         return self._logits(hidden_btd)
 
     def token_logprobs(
-        self, input_ids_bt, attention_mask_bt=None, temperature=1.0, *, use_lora=True
+        self,
+        input_ids_bt,
+        attention_mask_bt=None,
+        temperature=1.0,
+        *,
+        use_lora=True,
+        first_scored=1,
     ):
         """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
         temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
-        without ever holding [b, t, v] logits.
+        without ever holding [b, t, v] logits. `first_scored` (static): columns before it
+        are 0 and their logits are never computed (the trainer passes rollout.prompt_bucket:
+        no generated token sits left of it, and a prompt's logprobs are never used).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
         `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
@@ -445,13 +453,16 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
         b, t = input_ids_bt.shape
-        c = min(cfg.logprob_chunk_size or t, t)
-        k = -(-t // c)
-        # position i scores token i + 1; the last position's target is a dummy, dropped below
-        targets_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, k * c - t + 1)))
-        x_btd = jnp.pad(x_btd, ((0, 0), (0, k * c - t), (0, 0)))
-        x_kbcd = jnp.swapaxes(x_btd.reshape(b, k, c, -1), 0, 1)
-        targets_kbc = jnp.swapaxes(targets_bt.reshape(b, k, c), 0, 1)
+        first = min(max(int(first_scored), 1), t)
+        n = t - first  # scored columns first .. t-1, each from the position before it
+        if n == 0:
+            return jnp.zeros((b, t), jnp.float32)
+        c = min(cfg.logprob_chunk_size or n, n)
+        k = -(-n // c)
+        targets_bn = jnp.pad(input_ids_bt[:, first:], ((0, 0), (0, k * c - n)))
+        x_bnd = jnp.pad(x_btd[:, first - 1 : t - 1], ((0, 0), (0, k * c - n), (0, 0)))
+        x_kbcd = jnp.swapaxes(x_bnd.reshape(b, k, c, -1), 0, 1)
+        targets_kbc = jnp.swapaxes(targets_bn.reshape(b, k, c), 0, 1)
         temperature = jnp.asarray(temperature, jnp.float32)
         temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
         # the stored head pinned to its own sharding (its gradient is reduce-scattered into
@@ -487,8 +498,8 @@ class Transformer(nnx.Module):
             return self._pin(picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1), "out_bc")
 
         lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
-        lp_bt = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, : t - 1]
-        return jnp.pad(lp_bt, ((0, 0), (1, 0)))
+        lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
+        return jnp.pad(lp_bn, ((0, 0), (first, 0)))
 
     def prefill(
         self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None
