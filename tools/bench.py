@@ -60,6 +60,9 @@ SIZES = {
     "tiny": ("tiny", 4, 4, 32, 32),
     "smollm2": ("smollm2", 4, 4, 32, 32),
 }
+STEPS_PER_ROUND = {"tiny": 3, "smollm2": 2}
+"""Timed steps per variant and round (--steps overrides). Tiny steps also run one untimed
+step after each switch of variant (caches, threads); a SmolLM2 step (~15 s) needs none."""
 VARIANTS = {"on-policy": ["loss.force_on_policy_ratio=true"], "off-policy": []}
 
 
@@ -187,7 +190,8 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
     records = {v: [] for v in steppers}
     for _ in range(rounds):
         for variant, fn in steppers.items():
-            fn()  # one untimed step after each switch: caches, threads
+            if size == "tiny":
+                fn()  # one untimed step after each switch: caches, threads
             records[variant] += [fn() for _ in range(steps_per_round)]
     engine = steppers["on-policy"].t.backend.engine
     model_cfg = engine.model_cfg
@@ -399,7 +403,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="tiny,smollm2", help="comma list of " + ",".join(SIZES))
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the variants")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per variant per round {STEPS_PER_ROUND}",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny only, 1 round, quick sampler")
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler comparison")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
@@ -410,7 +419,8 @@ def main(argv=None) -> dict:
     unknown = sorted(set(sizes) - set(SIZES))
     if unknown:
         ap.error(f"--sizes: unknown {unknown}; allowed {sorted(SIZES)}")
-    rounds, steps = (1, 2) if args.smoke else (args.rounds, args.steps)
+    rounds = 1 if args.smoke else args.rounds
+    steps = {s: 2 if args.smoke else args.steps or STEPS_PER_ROUND[s] for s in sizes}
     report = {
         "label": args.label,
         "jgrpo_tree": str(TREE),
@@ -424,7 +434,9 @@ def main(argv=None) -> dict:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
-            report["steps"][size] = bench_steps(size, rounds, steps, Path(tmp), report["machine"])
+            report["steps"][size] = bench_steps(
+                size, rounds, steps[size], Path(tmp), report["machine"]
+            )
         if not args.no_sampler:
             report["sampler"] = bench_sampler_vs_transformers(
                 args.smoke, "smollm2" in sizes, report["machine"]
