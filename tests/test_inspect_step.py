@@ -84,25 +84,36 @@ def temp_bytes_bound(
     return grads + logits + weights + activations
 
 
-@pytest.mark.slow
-def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))  # nothing else
+def inspect_shape(folder, hf_config, overrides, microbatches):
+    """inspect_step of a model folder holding only `hf_config`'s config.json, bf16 compute,
+    remat full (the default), fsdp=8 on the 8 fake devices, reference KL on, plus `overrides`:
+    {microbatch count: report}."""
+    (folder / "config.json").write_text(json.dumps(hf_config))  # nothing else
     base = [
-        f"model.path={tmp_path}",
+        f"model.path={folder}",
         "model.compute_dtype=bfloat16",
         "model.remat=full",
-        "model.logprob_chunk_size=32",
         "mesh.fsdp=8",
         "mesh.data=1",
         "loss.reference_policy_kl_penalty=0.1",
+        *overrides,
+    ]
+    return {
+        mb: inspect_step(load_config(TINY, [*base, f"grpo.num_microbatches={mb}"]))
+        for mb in microbatches
+    }
+
+
+@pytest.mark.slow
+def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
+    overrides = [
+        "model.logprob_chunk_size=32",
         "grpo.num_prompts_per_step=2",
         "grpo.num_generations_per_prompt=8",
         "rollout.prompt_bucket=16",
         "rollout.max_new_tokens=48",
     ]
-    reports = {
-        mb: inspect_step(load_config(TINY, [*base, f"grpo.num_microbatches={mb}"])) for mb in (1, 2)
-    }
+    reports = inspect_shape(tmp_path, SMOLLM2_135M, overrides, (1, 2))
     one, two = reports[1], reports[2]
     assert one["num_params"] == 134_515_008  # SmolLM2-135M
     assert one["forwards"] == one["forwards_traced"] == ["ref", "prev", "policy"]
@@ -149,22 +160,13 @@ QWEN25_1_5B = {
 def test_qwen25_1_5b_shape_fits_4_gib_of_temporaries_per_device(tmp_path):
     """The real-size claim: Qwen2.5-1.5B, bf16 compute, fsdp=8, 32 prompts x 8 generations of
     64 + 1024 tokens, reference KL on, defaults otherwise (remat full, chunks of 128)."""
-    (tmp_path / "config.json").write_text(json.dumps(QWEN25_1_5B))
-    base = [
-        f"model.path={tmp_path}",
-        "model.compute_dtype=bfloat16",
-        "model.remat=full",  # the default (configs/tiny.yaml sets none)
-        "mesh.fsdp=8",
-        "mesh.data=1",
-        "loss.reference_policy_kl_penalty=0.1",
+    overrides = [
         "grpo.num_prompts_per_step=32",
         "grpo.num_generations_per_prompt=8",
         "rollout.prompt_bucket=64",
         "rollout.max_new_tokens=1024",
     ]
-    reports = {
-        mb: inspect_step(load_config(TINY, [*base, f"grpo.num_microbatches={mb}"])) for mb in (1, 8)
-    }
+    reports = inspect_shape(tmp_path, QWEN25_1_5B, overrides, (1, 8))
     one, eight = reports[1], reports[8]
     assert one["num_params"] == 1_543_714_304  # Qwen2.5-1.5B
     assert eight["forwards"] == ["ref", "prev", "policy"]
