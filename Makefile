@@ -1,5 +1,7 @@
 # Everything a fresh clone needs: `make demo` and `make test` create/refresh .venv themselves.
 PY ?= python3
+# test workers (pytest-xdist; a test file stays on one worker, so its module fixtures run once)
+TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -21,10 +23,10 @@ demo: $(STAMP)
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check jgrpo tests tools

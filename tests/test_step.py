@@ -1,6 +1,7 @@
 """The jitted train step: compiled-graph proofs, invariances (microbatches, meshes), learning."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -103,11 +104,18 @@ def test_float_hyperparameters_do_not_recompile():
     assert float(metrics["train/learning_rate"]) == pytest.approx(5e-4)
 
 
+def prepared(state, batch, hp, ref, flags, graphdef):
+    """step.prepare_batch under jit, as the step runs it (eagerly it dispatches op by op, on
+    8 devices most of a test's time)."""
+    fn = functools.partial(step.prepare_batch, flags=flags, graphdef=graphdef)
+    return jax.jit(fn)(state, batch, hp, ref)
+
+
 def grads_for(num_microbatches, overrides=()):
     fn, state, ref, hp, batch, mesh, graphdef, flags = build(
         [f"grpo.num_microbatches={num_microbatches}", *overrides]
     )
-    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    data, _ = prepared(state, batch, hp, ref, flags, graphdef)
     grads, metrics = jax.jit(
         lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
     )(state.params, data)
@@ -147,7 +155,7 @@ def one_step_on(mesh_shape):
     fn, state, ref, hp, batch, mesh, graphdef, flags = build(
         ["loss.reference_policy_kl_penalty=0.1", "grpo.num_minibatches=2"], mesh_shape
     )
-    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    data, _ = prepared(state, batch, hp, ref, flags, graphdef)
     grads, _ = jax.jit(
         lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
     )(state.params, data)
@@ -251,7 +259,7 @@ def test_seq_sum_norm_does_not_depend_on_the_prompt_bucket():
         fn, state, ref, hp, _, mesh, graphdef, flags = build(overrides)
         assert flags.loss.generation_budget == 256  # rollout.max_new_tokens, not the width
         batch = sharding.shard_batch(widen_prompts(make_rollout_batch(0), extra), mesh)
-        data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+        data, _ = prepared(state, batch, hp, ref, flags, graphdef)
         grads, metrics = jax.jit(
             lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
         )(state.params, data)
@@ -283,7 +291,7 @@ def test_kl_in_reward_is_clamped_in_the_step():
             f"loss.kl_output_clamp_value={c_out}",
         ]
     )
-    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    data, _ = prepared(state, batch, hp, ref, flags, graphdef)
     lo, lr = (np.asarray(data[k], np.float64) for k in ("prev_logprobs", "reference_logprobs"))
     x = np.clip(lr - lo, -c_in, c_in)
     kl = beta * np.clip(np.exp(x) - 1 - x, -c_out, c_out)
@@ -305,14 +313,14 @@ def test_seq_error_metrics_are_reported_before_and_after_the_threshold():
     fn, state, ref, hp, batch, mesh, graphdef, flags = build(
         ["grpo.seq_logprob_error_threshold=100.0"]
     )
-    data, _ = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    data, _ = prepared(state, batch, hp, ref, flags, graphdef)
     host = make_rollout_batch(0)
     lo, lg = np.asarray(data["prev_logprobs"], np.float64), host["generation_logprobs"]
     m = host["token_mask"] * host["sample_mask"][:, None]
     e = (np.exp(np.abs(lg - lo)) * m).sum(1) / m.sum(1)
     threshold = float(np.median(e))
     hp = {**hp, "seq_logprob_error_threshold": jnp.float32(threshold)}
-    data, metrics = step.prepare_batch(state, batch, hp, ref, flags=flags, graphdef=graphdef)
+    data, metrics = prepared(state, batch, hp, ref, flags, graphdef)
     kept = e <= threshold
     assert 0 < kept.sum() < len(e)
     assert float(metrics["logprob/num_masked_seqs_by_logprob_error"]) == (~kept).sum()
