@@ -438,9 +438,13 @@ def main(argv=None) -> dict:
                 size, rounds, steps[size], Path(tmp), report["machine"]
             )
         if not args.no_sampler:
-            report["sampler"] = bench_sampler_vs_transformers(
-                args.smoke, "smollm2" in sizes, report["machine"]
-            )
+            try:
+                report["sampler"] = bench_sampler_vs_transformers(
+                    args.smoke, "smollm2" in sizes, report["machine"]
+                )
+            except ImportError as e:  # an older checkout on PYTHONPATH lacks what it needs
+                print(f"\nsampler comparison skipped: tools/bench_sampler.py needs {e.name}")
+                report["sampler_skipped"] = f"{type(e).__name__}: {e}"
         if not args.no_compile:
             report["compile"] = bench_compile(Path(tmp))
     print_report(report)
