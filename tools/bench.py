@@ -19,7 +19,7 @@ One run measures, side by side:
 Medians everywhere (these machines are noisy). A table is printed; everything is saved as JSON
 in --out (default runs/bench/) as <UTC time>.json and latest.json.
 
-    python tools/bench.py                 # the full table (~10 min on 2 cores)
+    python tools/bench.py                 # the full table (~9 min on 2 cores)
     python tools/bench.py --sizes tiny    # tiny only (~1 min)
     python tools/bench.py --smoke         # tiny sizes, one round: what the tests run
 """
