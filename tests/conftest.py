@@ -113,23 +113,3 @@ def ray_cluster():
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()
-
-
-LONG_FILES_FIRST = (
-    "test_step.py",
-    "test_lora.py",
-    "test_ray.py",
-    "test_sampling.py",
-    "test_distributed.py",
-    "test_cli.py",
-    "test_precision.py",
-    "test_model.py",
-)
-"""The suite's longest files, longest first (serial on 2 idle cores: 5.2, 4.7, 3.4, 3.3, 2.9,
-2.4, 2.0 and 1.9 min). `make test` runs 2 workers with `--dist loadfile`, which hand out whole
-files in collection order: a long file handed out last would be the run's tail."""
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
