@@ -153,9 +153,9 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
         m.vocab_size,
         m.num_layers,
     )
-    scored = t - min(ro.prompt_bucket, t)  # the head runs from the first scored column on
+    scored = ro.max_new_tokens  # the head runs over the completion's columns only
     chunk = min(m.logprob_chunk_size or scored, scored)
-    head_positions = -(-scored // chunk) * chunk if scored else 0
+    head_positions = -(-scored // chunk) * chunk
     tokens = b * t
     attention = tokens * l * 4 * t * n * h
     weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)

@@ -345,11 +345,11 @@ def prepare_batch(state, batch, hparams, ref_params, *, flags, graphdef):
         # LoRA: the reference is the base, the policy's own arrays with the adapters skipped
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         data["reference_logprobs"] = frozen_logprobs(
-            "ref", graphdef, ref, batch, temp, chunks, use_lora, flags.first_scored
+            "ref", graphdef, ref, batch, temp, chunks, use_lora, first_scored=flags.first_scored
         )
     if flags.compute_prev_logprobs:
         data["prev_logprobs"] = frozen_logprobs(
-            "prev", graphdef, state.params, batch, temp, chunks, True, flags.first_scored
+            "prev", graphdef, state.params, batch, temp, chunks, first_scored=flags.first_scored
         )
     if flags.use_logprob_error_threshold:
         mask_bt = batch["token_mask"] * batch["sample_mask"][:, None]
