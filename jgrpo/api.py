@@ -8,7 +8,8 @@
     trainer = jgrpo.GRPOTrainer(
         "configs/tiny.yaml",                               # a path, a dict or a jgrpo Config
         train_dataset=[{"prompt": "Say hi"}, {"prompt": [{"role": "user", "content": "Hi"}]}],
-        reward_funcs=brevity,                              # callables or "module:function"
+        reward_funcs=brevity,                              # callables, "module:function" or
+                                                           # a reward model's folder / hub id
         run_dir="runs/notebook",
         overrides=["data.task=prompts"],                   # dotted overrides, as on the CLI
     )
@@ -18,7 +19,8 @@
 It runs the CLI's loop (`jgrpo.train.run`) and validates exactly like the CLI: the config (also
 a hand-built `Config`) goes through the same `from_dict` type checks and `validate` rules, with
 `reward_funcs` appended to data.reward_functions (weight 1, or `(function, weight)` pairs, or
-RewardFunctionConfig items) before the check. Python datasets replace data.train_path /
+RewardFunctionConfig items) before the check; a string without `:` (or an existing folder) is
+a reward model (docs/reward-models.md). Python datasets replace data.train_path /
 data.val_path; a function defined in the notebook is sent to the reward process with
 cloudpickle (see `jgrpo.tasks.rewards`).
 """
@@ -67,6 +69,13 @@ def _raw(cfg: Any) -> Any:
     return cfg
 
 
+def _term(rf) -> dict:
+    """A string names a reward model (a folder or hub id) unless it is `module:function`."""
+    if isinstance(rf, str) and (":" not in rf or Path(rf).expanduser().is_dir()):
+        return {"model": rf}
+    return {"function": rf}
+
+
 def _reward_items(reward_funcs) -> list[dict]:
     if reward_funcs is None:
         return []
@@ -77,9 +86,9 @@ def _reward_items(reward_funcs) -> list[dict]:
         if isinstance(rf, RewardFunctionConfig):
             items.append(_raw(rf))
         elif isinstance(rf, tuple) and len(rf) == 2:
-            items.append({"function": rf[0], "weight": rf[1]})
+            items.append({**_term(rf[0]), "weight": rf[1]})
         elif callable(rf) or isinstance(rf, str):
-            items.append({"function": rf})
+            items.append(_term(rf))
         else:
             raise ConfigError(
                 f"reward_funcs[{i}]: expected a function, 'module:function', a (function, "

@@ -91,22 +91,36 @@ class ModelConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class RewardFunctionConfig:
-    """One weighted reward term (see `jgrpo.tasks.rewards` for the signature and None rule)."""
+    """One weighted reward term: a function (see `jgrpo.tasks.rewards` for the signature and
+    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`)."""
 
-    function: Union[str, Callable[..., Any]]
+    function: Union[str, Callable[..., Any], None] = None
     """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
+    model: Optional[str] = None
+    """Instead of function: a reward model, an HF *ForSequenceClassification folder or hub id."""
     weight: float = 1.0
     """Multiplier of this term in the total reward."""
     name: Optional[str] = None
-    """Metric name (`reward/<name>/mean`); None = the function's name."""
+    """Metric name (`reward/<name>/mean`); None = the function's (or model folder's) name."""
     per_sample: bool = False
     """Old form: fn(prompt, completion, example) -> float, called once per sample."""
+    batch_tokens: int = 16384
+    """Reward model: tokens per forward (rows x padded length), texts sorted by length."""
+    max_length: Optional[int] = None
+    """Reward model: texts keep their first max_length tokens (None = max_position_embeddings)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Reward model: parameter and compute dtype; auto = model.compute_dtype's resolution."""
+    chat_template: bool = True
+    """Reward model: chat-message prompts go through its own chat template (else plain text)."""
 
     @property
     def label(self) -> str:
-        """The metric name: `name`, else the function's __name__ (the part after `:`)."""
+        """The metric name: `name`, else the function's __name__ (the part after `:`), else
+        the reward model's folder or repo name."""
         if self.name:
             return self.name
+        if self.model is not None:
+            return self.model.rstrip("/").rpartition("/")[2]
         if isinstance(self.function, str):
             return self.function.rpartition(":")[2].rpartition(".")[2]
         return getattr(self.function, "__name__", type(self.function).__name__)
@@ -678,6 +692,7 @@ def validate(cfg: Config) -> Config:
     _require(cfg.data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
     _require(cfg.logging.num_samples >= 0, "logging.num_samples: must be >= 0")
     labels: set[str] = set()
+    _validate_reward_models(cfg)
     for i, rf in enumerate(cfg.data.reward_functions):
         if isinstance(rf.function, str):
             _require(
@@ -874,6 +889,33 @@ def validate(cfg: Config) -> Config:
         "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
     )
     return cfg
+
+
+def _validate_reward_models(cfg: Config) -> None:
+    """Each reward term is a function or a model; a model's own fields are in range, and
+    reward models run in the trainer process (the local rollout backend)."""
+    for i, rf in enumerate(cfg.data.reward_functions):
+        key = f"data.reward_functions[{i}]"
+        _require(
+            (rf.function is None) != (rf.model is None),
+            f"{key}: give exactly one of function (module:function) or model (a reward model)",
+        )
+        if rf.model is None:
+            continue
+        _require(not rf.per_sample, f"{key}.per_sample: applies to functions, not to a model")
+        _require(rf.batch_tokens >= 1, f"{key}.batch_tokens: must be >= 1, got {rf.batch_tokens}")
+        if rf.max_length is not None:
+            _require(rf.max_length >= 1, f"{key}.max_length: must be >= 1, got {rf.max_length}")
+            _require(
+                rf.max_length <= rf.batch_tokens,
+                f"{key}.max_length: {rf.max_length} exceeds batch_tokens {rf.batch_tokens} "
+                "(one text must fit one forward)",
+            )
+        _require(
+            cfg.rollout.backend == "local",
+            f"{key}.model: reward models run in the trainer process; rollout.backend must be "
+            f"local, got {cfg.rollout.backend!r}",
+        )
 
 
 # ----------------------------------------------------------------------------- resume

@@ -29,6 +29,8 @@ Entry points:
 - `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv: causal
   attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
   positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
+- `model.hidden_states(input_ids_bt, attention_mask_bt)` -> [b, t, d] final-normed hidden
+  states (a reward model's score head reads them, `jgrpo.models.reward_model`).
 - `model.token_logprobs(input_ids_bt, attention_mask_bt, temperature)` -> [b, t] float32
   logprobs of the given tokens, computed in chunks of positions without [b, t, v] logits (the
   trainer's forward); `cfg.remat` rematerialises the layer stack in its backward.
@@ -425,6 +427,11 @@ class Transformer(nnx.Module):
         model alone (the reference policy of a LoRA run)."""
         hidden_btd = self._hidden(input_ids_bt, positions_bt, attention_mask_bt, use_lora)
         return self._logits(hidden_btd)
+
+    def hidden_states(self, input_ids_bt, attention_mask_bt=None):
+        """-> [b, t, d] final-normed hidden states in the compute dtype (HF's
+        `last_hidden_state`): what a head other than the LM head (a reward model's score) reads."""
+        return self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt))
 
     def token_logprobs(
         self,
