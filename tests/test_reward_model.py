@@ -18,9 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
-TEMPLATE = (
-    "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
-)
+TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
 CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
@@ -79,8 +77,9 @@ def hf_scores(folder, prompts, completions):
             texts.append(p + c)
         else:
             texts.append(tok.apply_chat_template(p + c, tokenize=False))
-    enc = tok(texts, return_tensors="pt", padding=True, padding_side="right",
-              add_special_tokens=False)
+    enc = tok(
+        texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+    )
     with torch.no_grad():
         return model(**enc).logits[:, 0].double().numpy()
 
@@ -235,6 +234,7 @@ def test_inspect_step_counts_the_reward_model(tmp_path):
 
 
 def _bad(tmp_path, capsys, overrides):
+    capsys.readouterr()  # what building the test's models printed
     code = cli.main(["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), *overrides])
     err = capsys.readouterr().err.strip()
     assert code == 2

@@ -272,10 +272,11 @@ REWARD_MODEL_ARCHITECTURES = (
 
 
 def check_reward_model_folder(folder: str | Path, key: str, max_length: Optional[int]) -> dict:
-    """A reward model's folder (`key`: data.reward_functions[i]): a Llama / Qwen2 / Qwen3 *ForSequenceClassification with one
-    label (`score.weight` [1, hidden] in the safetensors header), `max_length` within its
-    max_position_embeddings, and everything `check_hf_folder` checks. ConfigError naming `key`
-    (one line, before any load); returns config.json."""
+    """A reward model's folder (`key`: data.reward_functions[i]): a Llama / Qwen2 / Qwen3
+    *ForSequenceClassification with one label (`score.weight` [1, hidden] in the safetensors
+    header), `max_length` within its max_position_embeddings, and everything
+    `check_hf_folder` checks. ConfigError naming `key` (one line, before any load); returns
+    config.json."""
     folder = Path(folder)
     try:
         hf = read_hf_config(folder)
@@ -304,6 +305,5 @@ def check_reward_model_folder(folder: str | Path, key: str, max_length: Optional
         message = str(e).removeprefix("model.path: ")
         raise ConfigError(f"{key}.model: {message}") from None
     raise ConfigError(
-        f"{key}.max_length: {max_length} exceeds max_position_embeddings {limit} of "
-        f"{str(folder)!r}"
+        f"{key}.max_length: {max_length} exceeds max_position_embeddings {limit} of {str(folder)!r}"
     )
