@@ -20,6 +20,8 @@ Bare prompts (no chat template; completion = reference_completion + EOS):
 
 Custom rewards (data.reward_functions, TRL's batched signature) run in a child process with
 timeouts; see `jgrpo.tasks.rewards` for the signature, the None rule and the timeout rule.
+Reward models (data.reward_functions[i].model) run in the trainer process, attached with
+`task.attach_reward_models` (`jgrpo.models.reward_model`).
 """
 
 from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
