@@ -1,8 +1,11 @@
 """House rules that code can check: documented config fields, one-way heavy imports."""
 
+import ast
 import dataclasses
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 from jgrpo import config
 
@@ -37,7 +40,38 @@ def test_trainer_imports_neither_ray_nor_torch():
 
 
 def test_config_module_is_cheap():
-    """The CLI validates configs before anything heavy: config.py imports no jax."""
+    """The CLI validates configs before anything heavy: jgrpo.config imports no jax."""
     code = "import sys, jgrpo.config; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+CONFIG_MODULES = sorted(f"jgrpo.config.{m.name}" for m in pkgutil.iter_modules(config.__path__))
+
+
+def test_every_config_module_imports_without_jax():
+    """Each part of jgrpo.config, imported on its own in a fresh process, pulls in no jax."""
+    assert {"jgrpo.config.sections", "jgrpo.config.loading", "jgrpo.config.rules"} <= set(
+        CONFIG_MODULES
+    )
+    for name in CONFIG_MODULES:
+        code = f"import sys, {name}; print('jax' in sys.modules)"
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == "False", f"{name} imports jax"
+
+
+MAX_CONFIG_FUNCTION_LINES = 80
+
+
+def test_config_rules_are_small_functions():
+    """validate() is split per section: no function in jgrpo/config/ runs past 80 lines."""
+    long = []
+    for path in sorted(Path(config.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CONFIG_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_CONFIG_FUNCTION_LINES} lines: {long}"
