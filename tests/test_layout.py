@@ -75,3 +75,21 @@ def test_config_rules_are_small_functions():
                 if lines > MAX_CONFIG_FUNCTION_LINES:
                     long.append(f"{path.name}:{node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_CONFIG_FUNCTION_LINES} lines: {long}"
+
+
+CONFIG_LAYERS = ("sections", "rules", "loading", "resume")
+"""jgrpo.config's parts, lowest first: each imports only parts before it (no circles)."""
+
+
+def test_config_modules_import_one_way():
+    folder = Path(config.__file__).parent
+    assert sorted(p.stem for p in folder.glob("*.py")) == sorted((*CONFIG_LAYERS, "__init__"))
+    for i, name in enumerate(CONFIG_LAYERS):
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        used = {
+            node.module.removeprefix("jgrpo.config.")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jgrpo.config")
+        }
+        later = used - set(CONFIG_LAYERS[:i])
+        assert not later, f"jgrpo/config/{name}.py imports {sorted(later)}, not below it"
