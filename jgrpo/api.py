@@ -9,11 +9,10 @@
     )
     result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`) and validates exactly like the CLI: `reward_funcs`
-(weight 1, `(function, weight)` pairs or RewardFunctionConfig items) are appended to
-data.reward_functions before `from_dict` and `validate`; Python datasets replace
-data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle;
-a string without `:` (or an existing folder) is a reward model (docs/reward-models.md)."""
+It runs the CLI's loop (`jgrpo.train.run`) and validates like the CLI: `reward_funcs` (weight 1,
+`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model)
+join data.reward_functions before `from_dict` and `validate`; Python datasets replace
+data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle."""
 
 from __future__ import annotations
 
