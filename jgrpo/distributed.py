@@ -56,7 +56,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -182,6 +182,7 @@ class _Pod:
         self.round = 0
         self.hosts: dict[int, str] = {}
         self.checkpoint_dir: Optional[Path] = None
+        self.latest_step: Callable[[Path], Optional[int]] = lambda directory: None
         self.stop = threading.Event()
         self.watchdog: Optional[threading.Thread] = None
 
@@ -247,10 +248,12 @@ def process_slice(n: int) -> tuple[int, int]:
     return bounds[i], bounds[i + 1]
 
 
-def watch_checkpoints(directory: str | Path) -> None:
-    """Name this folder's newest complete checkpoint in a lost-peer message."""
+def watch_checkpoints(directory: str | Path, latest_step: Callable[[Path], Optional[int]]) -> None:
+    """Name this folder's newest complete checkpoint in a lost-peer message; `latest_step`
+    (jgrpo.checkpoint.latest_complete_step) finds it, called only when a peer is lost."""
     if _POD is not None:
         _POD.checkpoint_dir = Path(directory)
+        _POD.latest_step = latest_step
 
 
 def finish() -> None:
@@ -383,9 +386,7 @@ def allgather_rows(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _latest_checkpoint(pod: _Pod) -> str:
     if pod.checkpoint_dir is None:
         return "no checkpoint folder"
-    from jgrpo.checkpoint import latest_complete_step
-
-    step = latest_complete_step(pod.checkpoint_dir)
+    step = pod.latest_step(pod.checkpoint_dir)
     return "no complete checkpoint yet" if step is None else f"latest complete checkpoint: {step}"
 
 

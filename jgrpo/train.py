@@ -37,13 +37,13 @@ import yaml
 from flax import nnx
 
 from jgrpo import compile_cache, distributed, sharding, step
-from jgrpo.checkpoint import Checkpointer
+from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
-from jgrpo.metrics import MetricsLogger, NullLogger, plot_run, write_atomic
-from jgrpo.models import from_pretrained, model_options
-from jgrpo.models.adapters import attach_lora, join_lora, merge_lora
-from jgrpo.models.lora import spec_from_config
-from jgrpo.models.sources import check_model_path, resolve_model_path
+from jgrpo.files import write_atomic
+from jgrpo.metrics import MetricsLogger, NullLogger, plot_run
+from jgrpo.models import load_policy, policy_folder
+from jgrpo.models.adapters import join_lora, merge_lora
+from jgrpo.models.sources import check_model_path
 from jgrpo.rollout import (
     RolloutEngine,
     RolloutFailure,
@@ -115,15 +115,13 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     if distributed.is_primary():
         write_run_config(run_dir, cfg)
 
-    folder = resolve_model_path(cfg.model.path)
-    model = from_pretrained(folder, **model_options(cfg.model))
-    spec = spec_from_config(cfg.model.lora)
-    if spec is not None:  # fresh adapters over the loaded base (a resume overwrites them)
-        model = attach_lora(model, spec, jax.random.key(cfg.grpo.seed))
+    folder = policy_folder(cfg.model)
+    # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
+    model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
     built = step.build_step(cfg, model)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
-    distributed.watch_checkpoints(checkpointer.directory)
+    distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)
     start = 0
     restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
     if restored is not None:
@@ -302,15 +300,15 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically. On a pod only process 0 writes it."""
+    from jgrpo.files import atomic_folder
     from jgrpo.models.hf import save_pretrained
-    from jgrpo.models.sources import atomic_folder
 
     local = None
     if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
         if not distributed.is_primary():
             return out
         local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.setup.mesh))  # noqa: E731
-    folder = resolve_model_path(t.cfg.model.path)
+    folder = policy_folder(t.cfg.model)
     with atomic_folder(out, overwrite=True) as tmp:
         save_pretrained(policy_model(t, local), tmp, source=folder)
     return out

@@ -164,7 +164,7 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     samples what the local backend samples from base | adapters (both versions)."""
     from jgrpo.config import load_config
     from jgrpo.models import model_options
-    from jgrpo.models.sources import build_tiny_model
+    from jgrpo.models.tiny import build_tiny_model
     from jgrpo.rollout import LocalRollout, build_engine, make_backend
     from jgrpo.tasks import make_task
 

@@ -309,15 +309,10 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     """(engine, graphdef) from the config alone: what a rollout worker process needs.
 
     The task is built without its data (workers score, the trainer owns the data order)."""
-    import json
-    from pathlib import Path
-
-    from jgrpo.models import config_from_hf, model_options
-    from jgrpo.models.lora import with_lora
+    from jgrpo.models import policy_config
     from jgrpo.tasks import make_task
 
-    hf = json.loads((Path(model_folder) / "config.json").read_text())
-    model_cfg = with_lora(config_from_hf(hf, **model_options(cfg.model)), cfg.model.lora)
+    model_cfg = policy_config(cfg.model, model_folder)
     task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)
