@@ -46,6 +46,17 @@ def test_config_module_is_cheap():
     assert out.stdout.strip() == "False"
 
 
+def test_model_path_checks_are_cheap():
+    """model.path is checked before any model work: the lazy jgrpo.models package, the path
+    resolution, the tiny model's builders and the file writers import no jax."""
+    code = (
+        "import sys, jgrpo.models, jgrpo.models.sources, jgrpo.models.tiny, jgrpo.files; "
+        "print('jax' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
