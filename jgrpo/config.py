@@ -171,6 +171,17 @@ class AdvantageConfig:
 
 
 @dataclasses.dataclass(**_FROZEN)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Eq. 13), added to the reward as its own term."""
+
+    length: int
+    """L_cache: completions longer than rollout.max_new_tokens - length are penalised."""
+    penalty: float = 1.0
+    """Penalty at L = rollout.max_new_tokens: reward += min(-(L - (Lmax - length)) / length
+    * penalty, 0)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
 class GRPOConfig:
     """The outer GRPO loop."""
 
@@ -200,6 +211,23 @@ class GRPOConfig:
     """Explicitly skip the reference forward (requires loss.reference_policy_kl_penalty == 0)."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimator."""
+    overlong_buffer: Optional[OverlongBufferConfig] = None
+    """DAPO overlong reward shaping {length, penalty} (None = off; docs/dapo.md)."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop all-equal groups, generate more until P informative ones."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Generation batches per step at most (the first included) before giving up."""
+    dynamic_sampling_on_exhausted: Literal["warn", "raise"] = "warn"
+    """Past max_gen_batches: warn (one line) and train on the groups there are, or raise."""
+    dynamic_sampling_filter: Literal["reward", "correct"] = "reward"
+    """Informative = the unshaped reward (or the verifier's correct) is not all equal."""
+    batch_multiplier: float = 1.0
+    """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
+
+    @property
+    def gen_prompts_per_batch(self) -> int:
+        """Prompts per generation batch: P, or ceil(P x batch_multiplier) with dynamic sampling."""
+        return math.ceil(self.num_prompts_per_step * self.batch_multiplier)
 
     @property
     def batch_size(self) -> int:
@@ -247,6 +275,8 @@ class LossConfig:
     """Upper bound of the IS weight for truncation."""
     truncated_importance_sampling_ratio_min: Optional[float] = None
     """Lower bound of the IS weight for truncation (None = 0)."""
+    overlong_filtering: bool = False
+    """DAPO: truncated rows (no stop token) get sample_mask 0; they stay in the group stats."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -865,6 +895,8 @@ def validate(cfg: Config) -> Config:
         f"model.lora.target_modules: {list(lo.target_modules)} names a module twice",
     )
 
+    validate_dapo(cfg)
+
     # mesh
     for key in ("data", "fsdp", "tensor"):
         value = getattr(cfg.mesh, key)
@@ -874,6 +906,43 @@ def validate(cfg: Config) -> Config:
         "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
     )
     return cfg
+
+
+def validate_dapo(cfg: Config) -> None:
+    """The DAPO keys: overlong buffer, dynamic sampling (docs/dapo.md)."""
+    g, ro = cfg.grpo, cfg.rollout
+    ob = g.overlong_buffer
+    if ob is not None:
+        _require(
+            1 <= ob.length <= ro.max_new_tokens,
+            f"grpo.overlong_buffer.length: must lie in [1, rollout.max_new_tokens = "
+            f"{ro.max_new_tokens}], got {ob.length}",
+        )
+        _require(ob.penalty >= 0, f"grpo.overlong_buffer.penalty: must be >= 0, got {ob.penalty}")
+    _require(
+        1 <= g.dynamic_sampling_max_gen_batches <= 1024,
+        "grpo.dynamic_sampling_max_gen_batches: must lie in [1, 1024], got "
+        f"{g.dynamic_sampling_max_gen_batches}",
+    )
+    _require(
+        g.batch_multiplier >= 1 and g.gen_prompts_per_batch <= MAX_BATCH_ROWS,
+        f"grpo.batch_multiplier: must be >= 1 (and P x it <= {MAX_BATCH_ROWS}), got "
+        f"{g.batch_multiplier}",
+    )
+    _require(
+        g.use_dynamic_sampling or g.batch_multiplier == 1,
+        "grpo.batch_multiplier: > 1 needs grpo.use_dynamic_sampling=true",
+    )
+    if g.use_dynamic_sampling:
+        _require(
+            ro.max_staleness == 0,
+            "grpo.use_dynamic_sampling: needs rollout.max_staleness 0 (the extra prompts of a "
+            "step are drawn after it is collected)",
+        )
+        _require(
+            g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
+            "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
+        )
 
 
 # ----------------------------------------------------------------------------- resume

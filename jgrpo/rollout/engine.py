@@ -25,6 +25,8 @@ import numpy as np
 from jgrpo import distributed, sampling
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
+from jgrpo.rollout import dapo
+from jgrpo.rollout.dapo import PADDED_KEYS
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -82,22 +84,22 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         "length/min": float(lengths.min()),
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
+        "completions/clipped_ratio": float(batch["truncated"].mean()),
+        "batch/frac_reward_zero_std": dapo.frac_zero_std(batch),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
         "reward/num_masked": float((batch["sample_mask"] == 0).sum()),
     }
     if "correct" in batch:  # tasks with a verifier
         stats["reward/accuracy"] = float(batch["correct"].mean())
+    if "reward_overlong" in batch:
+        stats["reward/overlong/mean"] = float(batch["reward_overlong"].astype(np.float64).mean())
     terms = batch.get("reward_terms")
     for f, name in enumerate(reward_names):
         column = terms[:, f].astype(np.float64)
         given = ~np.isnan(column)
         stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
     return stats
-
-
-PADDED_KEYS = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
-"""The [B, T] arrays of a rollout batch; every other key is per row (statistics rows)."""
 
 
 def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResult:
@@ -174,8 +176,10 @@ class RolloutEngine:
         num_generations: int,
         greedy=False,
         first_prompt: int = 0,
+        training: bool = True,
     ) -> RolloutResult:
-        """Sample `num_generations` completions per example and score them.
+        """Sample `num_generations` completions per example and score them; a `training`
+        batch also gets DAPO's overlong shaping and filtering (`dapo.shape_training_batch`).
 
         `first_prompt`: index of examples[0] in the whole step, when a step is split over
         workers; row draws depend on the global row index only, so the parts concatenated
@@ -197,10 +201,8 @@ class RolloutEngine:
             for b in range(len(rows))
         ]
         row_examples = [examples[i] for i in rows]
-        completion_ids = [  # without the stop token (the last one, unless truncated)
-            gen.tokens[b, : gen.lengths[b] - (0 if gen.truncated[b] else 1)].tolist()
-            for b in range(len(rows))
-        ]
+        # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
+        completion_ids = [gen.tokens[b, : gen.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
         rewards, info = self.task.score(
             [texts[i] for i in rows], completions, row_examples, completion_ids
@@ -214,6 +216,8 @@ class RolloutEngine:
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
+        if training:
+            dapo.shape_training_batch(batch, self.cfg)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
@@ -226,7 +230,7 @@ class RolloutEngine:
             {
                 "prompt": texts[rows[b]],
                 "completion": completions[b],
-                "reward": float(rewards[b]),
+                "reward": float(batch["rewards"][b]),
                 **{
                     f"reward/{name}": _or_none(batch["reward_terms"][b, f])
                     for f, name in enumerate(names)

@@ -98,6 +98,7 @@ class LocalRollout:
             pass_k,
             greedy=pass_k == 1,
             first_prompt=first,
+            training=False,
         )
 
     def _model_params(self):

@@ -371,6 +371,7 @@ class RolloutWorker:
             num_generations,
             greedy=greedy,
             first_prompt=first_prompt,
+            training=salt != VALIDATION_SALT,
         )
         result.stats["rollout/weight_pull_s"] = pull_s
         result.stats["rollout/generate_s"] = time.perf_counter() - start

@@ -8,9 +8,10 @@ batch (one training step's rollout on one worker):
 with every argument a list aligned with the rows: `prompts[b]` (for `data.task: prompts` the
 record's prompt as stored, a string or chat messages; for the built-in tasks the prompt text),
 `completions[b]` (the generated text; `[{"role": "assistant", "content": text}]` when the prompt
-is a message list), `completion_ids[b]` (the generated token ids, the stop token excluded) and
-one list per dataset column (`columns["answer"][b]`; the prompt column is the `prompts`
-argument). All are passed as keywords, so `**kwargs` takes what a function does not name.
+is a message list), `completion_ids[b]` (the generated token ids, the stop token included
+unless the row was truncated, as TRL passes them) and one list per dataset column
+(`columns["answer"][b]`; the prompt column is the `prompts` argument). All are passed as
+keywords, so `**kwargs` takes what a function does not name.
 `data.reward_functions[i].per_sample: true` keeps the old form `fn(prompt, completion, example)
 -> float`, called once per sample.
 
