@@ -155,3 +155,160 @@ def test_dapo_config_errors():
                 "loss.use_importance_sampling_correction=true",
             ],
         )
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def _group_batch(rewards_by_group, width=3):
+    rewards = [r for group in rewards_by_group for r in group]
+    g = len(rewards_by_group[0])
+    gids = [i for i in range(len(rewards_by_group)) for _ in range(g)]
+    b = _batch(rewards, gids, [False] * len(rewards), [1] * len(rewards))
+    b["input_ids"] = np.arange(len(rewards) * width, dtype=np.int32).reshape(-1, width)
+    for key in ("attention_mask", "token_mask", "generation_logprobs"):
+        b[key] = np.ones((len(rewards), width), np.float32)
+    b["rewards_unshaped"] = b["rewards"].copy()
+    return b
+
+
+class _FakeBackend:
+    """Generation batch j of the step scores its prompts from `script[j]` (one reward list per
+    group); records what was requested."""
+
+    def __init__(self, script):
+        self.script, self.requests = script, []
+
+    def request(self, step, examples, gen_batch=0):
+        self.requests.append((step, gen_batch, list(examples)))
+
+    def collect(self, step, gen_batch=0):
+        from jgrpo.rollout import RolloutResult
+
+        batch = _group_batch(self.script[gen_batch], width=3 + gen_batch)
+        counts = dict.fromkeys(("reward/num_errors", "reward/num_timeouts", "reward/num_none"), 0)
+        return RolloutResult(batch, batch_stats(batch) | counts, [], ())
+
+
+class _FakeStream:
+    def __init__(self):
+        self.position = 0
+
+    def next_prompts(self, n):
+        self.position += n
+        return list(range(self.position - n, self.position))
+
+
+def _trainer(cfg, backend):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cfg=cfg, backend=backend, task=SimpleNamespace(train=_FakeStream()))
+
+
+def test_all_equal_groups_draw_more_batches_and_only_informative_groups_are_trained():
+    from jgrpo import train
+
+    cfg = load_config(TINY, ["grpo.use_dynamic_sampling=true"])  # P = 4, G = 4
+    flat, up = [1, 1, 1, 1], [0, 1, 0, 0]
+    script = [
+        [flat, flat, [0] * 4, [0.5] * 4],  # every group all equal
+        [flat, up, flat, [0, 0, 2, 0]],  # 2 informative
+        [[3, 1, 1, 1], flat, [1, 2, 3, 4], [5, 5, 5, 6]],  # 3 informative: 2 are used
+    ]
+    backend = _FakeBackend(script)
+    t = _trainer(cfg, backend)
+    first = backend.collect(0)
+    result = train.collect_informative(t, 0, first)
+    # the stream advanced by P prompts per extra generation batch (batch 0 was requested before)
+    assert [(s, j, ex) for s, j, ex in backend.requests] == [
+        (0, 1, [0, 1, 2, 3]),
+        (0, 2, [4, 5, 6, 7]),
+    ]
+    b = result.batch
+    np.testing.assert_array_equal(
+        b["rewards"], np.float32([*up, 0, 0, 2, 0, 3, 1, 1, 1, 1, 2, 3, 4])
+    )
+    np.testing.assert_array_equal(b["group_ids"], np.repeat(np.arange(4), 4))
+    assert b["input_ids"].shape == (16, 5)  # left-padded to the widest generation batch
+    # group 1 of batch 1 (width 4): one pad column on the left
+    np.testing.assert_array_equal(b["input_ids"][:4, 0], 0)
+    np.testing.assert_array_equal(b["input_ids"][:4, 1:], np.arange(64).reshape(16, 4)[4:8])
+    assert result.stats["dynamic_sampling/gen_batches"] == 3
+    assert result.stats["dynamic_sampling/kept_groups"] == 4
+    # before filtering: 12 groups generated, 7 all equal
+    assert result.stats["batch/frac_reward_zero_std"] == pytest.approx(7 / 12)
+
+
+def test_dynamic_sampling_past_max_gen_batches_pads_or_raises(caplog):
+    from jgrpo import train
+
+    flat = [1, 1, 1, 1]
+    script = [[flat, [0, 1, 0, 0], flat, flat], [flat] * 4]
+    cfg = load_config(
+        TINY, ["grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=2"]
+    )
+    backend = _FakeBackend(script)
+    with caplog.at_level("WARNING", logger="jgrpo"):
+        result = train.collect_informative(_trainer(cfg, backend), 0, backend.collect(0))
+    assert [r.getMessage() for r in caplog.records] == [
+        "dynamic sampling: step 1 has 1 informative groups of 4 after "
+        "grpo.dynamic_sampling_max_gen_batches = 2 generation batches; training on those (the "
+        "rest are padding rows)"
+    ]
+    b = result.batch
+    np.testing.assert_array_equal(b["group_ids"], [0] * 4 + [-1] * 12)
+    np.testing.assert_array_equal(b["sample_mask"], [1] * 4 + [0] * 12)
+    assert result.stats["dynamic_sampling/kept_groups"] == 1
+    cfg = load_config(
+        TINY,
+        [
+            "grpo.use_dynamic_sampling=true",
+            *[
+                "grpo.dynamic_sampling_max_gen_batches=2",
+                "grpo.dynamic_sampling_on_exhausted=raise",
+            ],
+        ],
+    )
+    backend = _FakeBackend(script)
+    with pytest.raises(train.RunStopped, match="step 1 has 1 informative groups of 4"):
+        train.collect_informative(_trainer(cfg, backend), 0, backend.collect(0))
+
+
+REWARD_MODULE = """
+import zlib
+
+def coin(prompts, completions, **columns):
+    # half the prompts score every completion 0 (an all-equal group), the others vary
+    return [0.0 if zlib.crc32(p.encode()) % 2 else float(zlib.crc32(c.encode()) % 3)
+            for p, c in zip(prompts, completions)]
+"""
+
+
+def test_dynamic_sampling_trains_no_all_equal_group_and_resume_repeats_the_run(
+    tmp_path, monkeypatch
+):
+    from jgrpo import train
+    from jgrpo.metrics import read_metrics
+
+    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    overrides = [
+        *QUIET,
+        "grpo.use_dynamic_sampling=true",
+        "data.task_reward_weight=0.0",
+        "data.reward_functions=[{function: 'coin_reward:coin'}]",
+        "checkpoint.save_period=1",
+    ]
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    train.run(load_config(TINY, [*overrides, "grpo.max_num_steps=2"]), full)
+    train.run(load_config(TINY, [*overrides, "grpo.max_num_steps=1"]), broken)
+    train.run(load_config(TINY, [*overrides, "grpo.max_num_steps=2"]), broken, resume=True)
+    rows = read_metrics(full)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["dynamic_sampling/gen_batches"] for r in rows) > 1
+    for r in rows:
+        assert r["dynamic_sampling/kept_groups"] == 4
+        assert r["reward/frac_groups_all_equal"] == 0.0  # what the step trained on
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]
+    assert strip(read_metrics(broken)) == strip(rows)

@@ -272,6 +272,12 @@ VALIDATION_SALT = 1
 """step_key salt of validation draws (training uses 0), shared by every backend."""
 
 
+def train_salt(gen_batch: int) -> int:
+    """step_key salt of a step's `gen_batch`-th generation batch: 0 for the first (dynamic
+    sampling draws more), VALIDATION_SALT + gen_batch after it."""
+    return 0 if gen_batch == 0 else VALIDATION_SALT + gen_batch
+
+
 def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
     """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
     pass_k samples (rows are example-major) is correct."""
