@@ -152,6 +152,8 @@ class DataConfig:
     """Importing the reward functions at start-up may take this long (then a ConfigError)."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
+    val_sets: tuple[tuple[str, str], ...] = ()
+    """More named held-out sets {name: path} (same formats and task), logged as val/<name>/."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -203,6 +205,10 @@ class GRPOConfig:
     """Validate after the last step."""
     val_pass_k: int = 1
     """k of pass@k at validation (1 = greedy accuracy)."""
+    val_num_generations: int = 1
+    """n samples per held-out example at rollout.val_temperature (1 = off): mean@n, maj@n."""
+    val_pass_at: tuple[int, ...] = (1,)
+    """k values of the unbiased pass@k from the n samples (each k <= val_num_generations)."""
     seed: int = 42
     """Seeds data order, sampling and init."""
     seq_logprob_error_threshold: Optional[float] = None
@@ -325,6 +331,8 @@ class RolloutConfig:
     """Nucleus sampling mass (1 = off)."""
     top_k: Optional[int] = None
     """Keep the k most likely tokens (None = off)."""
+    val_temperature: Optional[float] = None
+    """Temperature of the n validation samples (None = rollout.temperature)."""
     max_new_tokens: int = 256
     """Completion length cap; rows hitting it are truncated."""
     prompt_bucket: int = 32
@@ -456,6 +464,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return from_dict(tp, value, prefix=key)
+    if origin is tuple and isinstance(value, dict) and _is_pairs(tp):
+        value = [[k, v] for k, v in value.items()]  # {a: b} where pairs [[a, b]] are expected
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -493,6 +503,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a function, got {value!r}")
         return value
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _is_pairs(tp: Any) -> bool:
+    """`tp` is tuple[tuple[K, V], ...]: a mapping is accepted for it."""
+    args = typing.get_args(tp)
+    return (
+        len(args) == 2
+        and args[1] is Ellipsis
+        and typing.get_origin(args[0]) is tuple
+        and len(typing.get_args(args[0])) == 2
+    )
 
 
 def from_dict(cls, data: dict, prefix: str = "") -> Any:
@@ -943,6 +964,25 @@ def validate_dapo(cfg: Config) -> None:
             g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
             "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
         )
+    n = g.val_num_generations
+    _require(1 <= n <= 1024, f"grpo.val_num_generations: must lie in [1, 1024], got {n}")
+    for k in g.val_pass_at:
+        _require(
+            1 <= k <= n, f"grpo.val_pass_at: k = {k} must lie in [1, val_num_generations = {n}]"
+        )
+    t = ro.val_temperature
+    _require(
+        n == 1 or (t if t is not None else ro.temperature) > 0,
+        "rollout.val_temperature: the val_num_generations samples need a temperature > 0",
+    )
+    names = [name for name, _ in cfg.data.val_sets]
+    for name in names:
+        _require(
+            name.replace("_", "").replace("-", "").isalnum()
+            and name not in ("val",)
+            and names.count(name) == 1,
+            f"data.val_sets: name {name!r} must be unique, not 'val', letters/digits/_/- only",
+        )
 
 
 # ----------------------------------------------------------------------------- resume
@@ -952,6 +992,10 @@ RESUME_MAY_CHANGE = (
     "grpo.val_period",
     "grpo.val_at_start",
     "grpo.val_at_end",
+    "grpo.val_num_generations",
+    "grpo.val_pass_at",
+    "rollout.val_temperature",
+    "data.val_sets",
     "grpo.num_microbatches",
     "data.reward_timeout_s",
     "rollout.backend",

@@ -36,7 +36,7 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import compile_cache, distributed, sharding, step
+from jgrpo import compile_cache, distributed, evaluation, sharding, step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.metrics import MetricsLogger, NullLogger, plot_run, write_atomic
@@ -52,7 +52,6 @@ from jgrpo.rollout import (
     dapo,
     load_tokenizer,
     make_backend,
-    validation_metrics,
 )
 from jgrpo.tasks import make_task
 
@@ -178,11 +177,9 @@ def policy_model(t: Trainer, view=None):
 
 
 def validate(t: Trainer, step_index: int) -> dict[str, float]:
-    """Held-out accuracy (greedy, or pass@k with k samples) with the current weights."""
-    k = t.cfg.grpo.val_pass_k
+    """Every held-out set's metrics (`jgrpo.evaluation`) with the current weights."""
     start = time.perf_counter()
-    result = t.backend.evaluate(t.task.val, step_index, pass_k=k)
-    metrics = validation_metrics(result, len(t.task.val), k)
+    metrics = evaluation.validate_all(t.cfg, t.backend, t.task, step_index)
     return metrics | {"perf/val_s": time.perf_counter() - start}
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -157,6 +158,10 @@ class RolloutEngine:
         self.greedy_params = dataclasses.replace(
             self.train_params, temperature=0.0, top_p=1.0, top_k=None
         )
+        val_t = cfg.rollout.val_temperature
+        self.val_params = self.train_params
+        if val_t is not None:  # validation samples (not greedy) at rollout.val_temperature
+            self.val_params = dataclasses.replace(self.train_params, temperature=val_t)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - prompts repeat across epochs
     def _encode(self, text: str) -> tuple[int, ...]:
@@ -186,7 +191,10 @@ class RolloutEngine:
         (`concat_results`) equal the unsplit batch."""
         texts, token_lists = self.prompts(examples)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
-        params_s = self.greedy_params if greedy else self.train_params
+        if greedy:
+            params_s = self.greedy_params
+        else:
+            params_s = self.train_params if training else self.val_params
         start = time.perf_counter()
         gen = sampling.generate(
             (graphdef, params),
@@ -218,6 +226,8 @@ class RolloutEngine:
         )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
+        elif (votes := self.task.votes(completions)) is not None:
+            batch["vote_ids"] = vote_ids(votes)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
@@ -239,6 +249,12 @@ class RolloutEngine:
             for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+
+
+def vote_ids(votes) -> np.ndarray:
+    """int64[B] a number per distinct answer string (crc32; -1 = no answer): maj@n's input,
+    numeric so it travels with the batch (Ray, pods)."""
+    return np.asarray([-1 if v is None else zlib.crc32(v.encode()) for v in votes], np.int64)
 
 
 def _or_none(value) -> float | None:
