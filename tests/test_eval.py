@@ -124,3 +124,32 @@ def test_eval_config_keys(tmp_path):
         load_config(TINY, ["grpo.val_num_generations=2", "rollout.val_temperature=0"])
     with pytest.raises(ConfigError, match="data.val_sets: name 'val' must be unique"):
         load_config(TINY, ["data.val_sets={val: x.jsonl}"])
+
+
+def test_jgrpo_eval_prints_the_table_of_every_set(capsys, tmp_path):
+    from jgrpo import cli
+
+    path = tmp_path / "extra.jsonl"
+    path.write_text(
+        "".join(json.dumps({"question": f"{i}+2", "answer": str(i + 2)}) + "\n" for i in range(2))
+    )
+    argv = [
+        "eval",
+        "--config",
+        TINY,
+        "data.num_val_examples=3",
+        "grpo.val_num_generations=2",
+        "grpo.val_pass_at=[1, 2]",
+        f"data.val_sets={{extra: {path}}}",
+    ]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    table = {line.split()[0]: float(line.split()[1]) for line in lines[:-1]}
+    keys = ["reward_mean", "length_mean", "accuracy", "mean@2", "pass@1", "pass@2", "maj@2"]
+    assert list(table) == [f"val/{k}" for k in keys] + [f"val/extra/{k}" for k in keys]
+    for key, value in table.items():
+        assert value == pytest.approx(report[key], abs=5e-5)
+        if "@" in key and "length" not in key:
+            assert 0.0 <= value <= 1.0
+    assert report["val/pass@1"] == pytest.approx(report["val/mean@2"])
