@@ -179,8 +179,7 @@ class OverlongBufferConfig:
     length: int
     """L_cache: completions longer than rollout.max_new_tokens - length are penalised."""
     penalty: float = 1.0
-    """Penalty at L = rollout.max_new_tokens: reward += min(-(L - (Lmax - length)) / length
-    * penalty, 0)."""
+    """reward += min(-(L - (Lmax - length)) / length * penalty, 0), Lmax = max_new_tokens."""
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -312,3 +312,18 @@ def test_dynamic_sampling_trains_no_all_equal_group_and_resume_repeats_the_run(
         assert r["reward/frac_groups_all_equal"] == 0.0  # what the step trained on
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rs]
     assert strip(read_metrics(broken)) == strip(rows)
+
+
+def test_batch_multiplier_draws_more_prompts_per_generation_batch():
+    from jgrpo import train
+
+    cfg = load_config(TINY, ["grpo.use_dynamic_sampling=true", "grpo.batch_multiplier=1.5"])
+    assert cfg.grpo.gen_prompts_per_batch == 6  # ceil(4 x 1.5)
+    flat, up = [1, 1, 1, 1], [0, 1, 0, 0]
+    script = [[flat, up, flat, flat, up, flat], [up, flat, up, up, flat, flat]]
+    backend = _FakeBackend(script)
+    result = train.collect_informative(_trainer(cfg, backend), 0, backend.collect(0))
+    assert [(j, ex) for _, j, ex in backend.requests] == [(1, [0, 1, 2, 3, 4, 5])]
+    assert result.stats["dynamic_sampling/kept_groups"] == 4
+    np.testing.assert_array_equal(result.batch["rewards"], np.float32(up * 4))
+    assert result.stats["batch/frac_reward_zero_std"] == pytest.approx(7 / 12)
