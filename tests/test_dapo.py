@@ -327,3 +327,28 @@ def test_batch_multiplier_draws_more_prompts_per_generation_batch():
     assert result.stats["dynamic_sampling/kept_groups"] == 4
     np.testing.assert_array_equal(result.batch["rewards"], np.float32(up * 4))
     assert result.stats["batch/frac_reward_zero_std"] == pytest.approx(7 / 12)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_on_ray_workers_matches_the_local_backend(tmp_path, monkeypatch):
+    from jgrpo import train
+    from jgrpo.metrics import read_metrics
+
+    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    overrides = [
+        *QUIET,
+        "grpo.max_num_steps=2",
+        "grpo.use_dynamic_sampling=true",
+        "data.task_reward_weight=0.0",
+        "data.reward_functions=[{function: 'coin_reward:coin'}]",
+    ]
+    train.run(load_config(TINY, overrides), tmp_path / "local")
+    ray_overrides = [*overrides, "rollout.backend=ray", "rollout.num_workers=1"]
+    train.run(load_config(TINY, ray_overrides), tmp_path / "ray")
+    keys = ("dynamic_sampling/", "reward/", "length/", "batch/", "loss/")
+    pick = lambda rows: [{k: v for k, v in r.items() if k.startswith(keys)} for r in rows]
+    local, ray = pick(read_metrics(tmp_path / "local")), pick(read_metrics(tmp_path / "ray"))
+    assert max(r["dynamic_sampling/gen_batches"] for r in local) > 1
+    assert ray == local
