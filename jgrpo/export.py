@@ -125,11 +125,13 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
 
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
-    """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
+    """Every held-out set's metrics (`jgrpo.evaluation`) of a checkpoint, or of cfg.model.path
+    (any HF folder or model source)."""
     from flax import nnx
 
+    from jgrpo.evaluation import validate_all
     from jgrpo.models import load_policy, policy_folder
-    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
+    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer
     from jgrpo.tasks import make_task
 
     compile_cache.enable()
@@ -143,7 +145,8 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     backend.publish(nnx.to_pure_dict(state), 0)
-    k = cfg.grpo.val_pass_k
-    result = backend.evaluate(task.val, 0, pass_k=k)
-    metrics = validation_metrics(result, len(task.val), k)
-    return metrics | {"num_examples": len(task.val), "pass_k": k}
+    try:
+        metrics = validate_all(cfg, backend, task, 0)
+    finally:
+        task.close()
+    return metrics | {"num_examples": len(task.val), "pass_k": cfg.grpo.val_pass_k}
