@@ -11,7 +11,7 @@ import pytest
 from jgrpo import cli, train
 from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
-from jgrpo.models.sources import save_char_tokenizer
+from jgrpo.models.tiny import save_char_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
