@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import textwrap
 import types
@@ -570,6 +571,28 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         problem = getattr(e, "problem", None)
         detail = f": {problem}" if problem and "duplicate key" in problem else ""
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML{where}{detail}") from None
+
+
+def read_json(path: str | Path, key: str, kind: type | None = dict) -> Any:
+    """Parse the small JSON file `path` (a model or dataset metadata file); ConfigError
+    `key: 'path' ...` when it is unreadable, not UTF-8, not JSON or (with `kind`) not a `kind`."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{key}: {str(path)!r} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {str(path)!r} is not UTF-8 text (a binary file?)") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{key}: {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})"
+        ) from None
+    if kind is not None and not isinstance(data, kind):
+        what = {dict: "a JSON object", list: "a JSON list"}.get(kind, kind.__name__)
+        raise ConfigError(f"{key}: {str(path)!r} must hold {what}, got {type(data).__name__}")
+    return data
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:

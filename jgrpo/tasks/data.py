@@ -37,7 +37,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jgrpo import hub
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, read_json
 
 Example = dict[str, Any]
 """One prompt's data: JSON-able, picklable; the fields are listed in `jgrpo.tasks`."""
@@ -137,13 +137,20 @@ def _pick_split(splits: Sequence[str], split: str, where: str, key: str) -> str:
 
 def _load_folder(path: Path, key: str, split: str):
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json(path / "dataset_dict.json", key).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ConfigError(
+                f"{key}: {str(path / 'dataset_dict.json')!r} has no 'splits' list of names"
+            )
         path = path / _pick_split(splits, split, f"HF DatasetDict {str(path)!r}", key)
     if not (path / "state.json").is_file():
         raise ConfigError(
             f"{key}: {str(path)!r} is a folder but not an HF datasets folder (no state.json or "
             "dataset_dict.json); use a .jsonl / .parquet / .csv file or Dataset.save_to_disk output"
         )
+    for name in ("state.json", "dataset_info.json"):  # load_from_disk would raise bare errors
+        if name == "state.json" or (path / name).is_file():
+            read_json(path / name, key)
     with _quiet_datasets() as datasets:
         try:
             return datasets.load_from_disk(str(path))

@@ -9,11 +9,10 @@ and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `promp
 prompt from a dataset column and is scored by data.reward_functions alone.
 
 Validation set: data.val_path (or eval_dataset) when given (its first data.num_val_examples
-records); else, for file data, a seeded split of the training records disjoint from training (at
-most half of the records); else a synthetic set disjoint from every training example (same dedup
-key: the question for arithmetic, the number multiset for countdown). The split and the
-synthetic val set depend only on the data config, not on the run seed, so runs with different
-seeds are validated alike.
+records); else, for file data, a seeded split of the training records (at most half); else a
+synthetic set disjoint from training (dedup key: the question for arithmetic, the number multiset
+for countdown) of at most half the task's distinct questions (< 2 of them is a ConfigError). Both
+depend only on the data config, not on the run seed: runs with different seeds validate alike.
 """
 
 from __future__ import annotations
@@ -140,6 +139,7 @@ class Task:
                 )
             if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
+            self._check_space()
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
         if val is None:
@@ -179,6 +179,18 @@ class Task:
             for index, record in enumerate(table):
                 kind.example_from_record(dict(record), index, where, cfg)
         return Rows(table, make)
+
+    def _check_space(self) -> None:
+        """A generated task needs >= 2 distinct questions: >= 1 held out, >= 1 to train on."""
+        size = self.kind.space_size
+        if size >= 2:
+            return
+        keys = ", ".join(f"data.{k}={getattr(self.cfg, k)!r}" for k in self.kind.space_keys)
+        raise ConfigError(
+            f"{keys}: the {self.cfg.task} task has {size} distinct question"
+            f"{'' if size == 1 else 's'}; a validation set disjoint from training needs >= 2 "
+            "(widen these, or give data.val_path)"
+        )
 
     def _synthetic_val(self) -> tuple[list[Example], set]:
         num_val = min(self.cfg.num_val_examples, self.kind.space_size // 2)
