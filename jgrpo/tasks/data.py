@@ -8,9 +8,9 @@ when file data is used):
   strings and lists, e.g. prompts some plain and some chat messages, becomes a `Json` column);
 - a folder written by `Dataset.save_to_disk` (`DatasetDict` folders: split `train` for
   data.train_path, `test` or `validation` for data.val_path), read by `load_from_disk`;
-- a Hugging Face dataset id (`org/name`) already in the local hub cache: its snapshot folder
-  (`huggingface_hub.snapshot_download(..., local_files_only=True)`, offline) loaded like a
-  local dataset repository, same split rule.
+- a Hugging Face dataset id (`org/name`): its snapshot folder (:func:`jgrpo.hub.fetch`:
+  downloaded into the HF cache when online, cache-only with HF_HUB_OFFLINE=1) loaded by
+  `datasets.load_dataset` like a local dataset repository, same split rule.
 Python data (the `jgrpo.GRPOTrainer` API) is a list of dicts or a `datasets.Dataset`.
 
 Nothing is read into a Python list: `Rows` indexes the Arrow table and builds an example when
@@ -162,12 +162,12 @@ def _load_folder(path: Path, key: str, split: str):
 
 
 def _load_hub(repo_id: str, key: str, split: str):
-    folder = hub.snapshot(repo_id, repo_type="dataset")
+    folder = hub.fetch(repo_id, "dataset", key)
     if folder is None:
         raise ConfigError(
             f"{key}: {repo_id!r} is neither a file or folder nor a dataset in the local "
-            "Hugging Face cache (download it first, e.g. `hf download --repo-type dataset "
-            f"{repo_id}`)"
+            "Hugging Face cache (HF_HUB_OFFLINE is set; download it first, e.g. `hf download "
+            f"--repo-type dataset {repo_id}`)"
         )
     if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
         return _load_folder(folder, key, split)
