@@ -142,7 +142,8 @@ def fetch(repo_id: str, repo_type: str, key: str) -> Optional[Path]:
         cause = e.__cause__ or e
         detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:160]
         raise ConfigError(
-            f"{key}: cannot download {where} and it is not in the local cache ({detail})"
+            f"{key}: {repo_id!r} is not a local path, and downloading the {what} from "
+            f"{endpoint} failed with no copy in the local cache ({detail})"
         ) from None
     except (OSError, ValueError, httpx2.HTTPError) as e:  # HTTP, a cut download, the disk
         detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
