@@ -5,23 +5,14 @@ Per step s (0-based; metrics.jsonl line `step` = s + 1 = updates done):
   mode) -> one jitted train step -> publish the new params (version s + 1) to the sampler ->
   request the batch of step s + 1 + k -> log -> validate every grpo.val_period -> checkpoint
   every checkpoint.save_period.
-
 Resume: a checkpoint holds the train state (params, optimizer state, update count) and meta
-(the data-stream position before the first untrained step, the step). Sampling keys derive
+(the data-stream position before the first untrained step, the step); sampling keys derive
 from (grpo.seed, step), so a killed and resumed run repeats the uninterrupted one exactly.
-
-LoRA (model.lora.rank > 0): fresh adapters (seeded by grpo.seed) over the base of model.path;
-the train state's params are the adapters, the base is the step's `frozen` argument and the
-backend's frozen tree (published once), so checkpoints hold adapters + optimizer state and a
-resume re-reads the base from model.path.
-
-Pods: every process runs this same loop over the global mesh (jgrpo.distributed). Each feeds
-only its slice of the step's rows (rollout/local.py: every process advances the same data
-stream and keeps its contiguous prompts); the train step is one global program; checkpoints are
-saved and restored collectively by Orbax (every process calls save/restore, each writes its
-shards; the run folder must be on a filesystem every host sees); only process 0 writes
-config.yaml, metrics.jsonl, TensorBoard, W&B, plots and the console progress.
-"""
+LoRA: fresh adapters (seeded by grpo.seed) are the train state's params; the base of model.path
+is the step's `frozen` argument and the backend's frozen tree, re-read on resume.
+Pods: every process runs this loop over the global mesh, feeding only its slice of the rows;
+checkpoints are collective (Orbax); only process 0 writes config.yaml, metrics.jsonl,
+TensorBoard, W&B, plots and the console progress."""
 
 from __future__ import annotations
 
@@ -102,7 +93,7 @@ def check_pod(cfg: Config, num_processes: int) -> None:
     if cfg.rollout.backend == "ray" and not cfg.rollout.ray_address:
         raise ConfigError(
             "rollout.ray_address: a pod's Ray rollout needs one Ray cluster every process joins "
-            "(HOST:PORT of its head, `ray start --head`); see the README's pod section"
+            "(HOST:PORT of its head, `ray start --head`); see docs/pods.md"
         )
 
 

@@ -72,7 +72,7 @@ def timed_round_robin(fns, rounds, block, warm):
 
     After each one's first call, `rounds` rounds go over all of them; in a round each gets
     `warm` untimed calls (just after a switch the other side's threads still spin on the cores
-    and its data fills the caches: measured, one warm call leaves jgrpo ~10% slow on 2 cores)
+    and its data fills the caches, which slows the first call after a switch)
     and then `block` timed calls. Slow drift on a shared machine hits both sides alike."""
     first, times, out = {}, {name: [] for name in fns}, {}
     for name, fn in fns.items():

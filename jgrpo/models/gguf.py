@@ -3,22 +3,16 @@
 Owns :func:`convert_gguf`: read a GGUF file with the `gguf` package, dequantise every tensor
 (`gguf.quants.dequantize`, float32), undo llama.cpp's q/k row permutation, and write a folder
 that `transformers.AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load offline:
-
-    config.json              LlamaForCausalLM, as transformers 5 writes it (`rope_parameters`)
-    generation_config.json   bos / eos / pad ids
-    model.safetensors        HF tensor names; no `lm_head.weight` when the GGUF has no `output`
-    tokenizer.json           byte-level BPE rebuilt from `tokenizer.ggml.{tokens,merges}`
-    tokenizer_config.json    special tokens (+ the chat template)
-    chat_template.jinja      the GGUF chat template (where transformers 5 keeps it)
-
-No torch and no transformers: converting SmolLM2-135M takes a few seconds, where transformers'
-own GGUF loader needs torch + accelerate and ~40 s. The folder is built next to `out` and
+config.json (LlamaForCausalLM, as transformers 5 writes it, `rope_parameters`),
+generation_config.json (bos / eos / pad ids), model.safetensors (HF tensor names; no
+`lm_head.weight` when the GGUF has no `output`), tokenizer.json (byte-level BPE rebuilt from
+`tokenizer.ggml.{tokens,merges}`), tokenizer_config.json (special tokens + the chat template)
+and chat_template.jinja. No torch and no transformers. The folder is built next to `out` and
 renamed into place (:func:`jgrpo.models.sources.atomic_folder`), so an interrupted conversion
 never leaves a half folder that looks complete.
 
 Scope: `general.architecture == "llama"` with a GPT-2 style byte-level BPE vocabulary
-(`tokenizer.ggml.model == "gpt2"`); anything else raises ValueError naming the field.
-"""
+(`tokenizer.ggml.model == "gpt2"`); anything else raises ValueError naming the field."""
 
 from __future__ import annotations
 

@@ -6,17 +6,12 @@ shallow dict union: the two trees have disjoint top-level keys) for every genera
 Generation is lazy: `request` records the examples, `collect` samples with the newest
 published params, so it is always on-policy (rollout.max_staleness must be 0).
 
-On a pod (several processes) every process is handed the same examples (all advance the same
-data stream) and keeps its contiguous slice (`distributed.process_slice`): it generates and
-scores only those prompts, with draws keyed by the global row index (`first_prompt`) and group
-ids shifted to the step's global prompt index, so the rows are exactly those of the same rows
-of a one-process run. It samples with its own host's replica of the globally sharded params
-(`sharding.host_local`: a view of the shards already on its devices, on a mesh of those devices
-only), so generation is a per-host program with no cross-host traffic; the batch it returns
-holds its rows only (left-padded to the widest host's width, so every host feeds the global
-batch the same shape). The batch statistics are computed over the gathered rows of all hosts
-(a few scalars per row), so every process reports the one-process numbers.
-"""
+On a pod every process keeps its contiguous slice of the step's examples
+(`distributed.process_slice`), draws with the global row index and global group ids, and
+samples with its host's replica of the sharded params (`sharding.host_local`: no cross-host
+traffic); its batch holds its rows only, left-padded to the widest host's width. Batch
+statistics are computed over the gathered rows of all hosts, so every process reports the
+one-process numbers."""
 
 from __future__ import annotations
 

@@ -8,12 +8,11 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
 
-Validation set: data.val_path (or eval_dataset) when given (its first data.num_val_examples
-records); else, for file data, a seeded split of the training records (at most half); else a
-synthetic set disjoint from training (dedup key: the question for arithmetic, the number multiset
-for countdown) of at most half the task's distinct questions (< 2 of them is a ConfigError). Both
-depend only on the data config, not on the run seed: runs with different seeds validate alike.
-"""
+Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
+for file data, a seeded split of the training records disjoint from training (at most half of
+them); else a synthetic set disjoint from every training example (dedup key: the question for
+arithmetic, the number multiset for countdown) of at most half the task's distinct questions
+(fewer than 2 is a ConfigError). It depends only on the data config, not on the run seed."""
 
 from __future__ import annotations
 
