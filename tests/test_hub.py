@@ -21,7 +21,7 @@ import pytest
 from hub_server import COMMIT, HubServer  # tests/ is on sys.path (rootdir conftest)
 
 from jgrpo import hub
-from jgrpo.models.sources import build_tiny_model
+from jgrpo.models.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

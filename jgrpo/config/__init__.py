@@ -46,6 +46,7 @@ from jgrpo.config.sections import (
     MeshConfig,
     ModelConfig,
     OptimConfig,
+    OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
+    "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
     "apply_overrides",
