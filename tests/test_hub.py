@@ -25,7 +25,7 @@ from jgrpo.models.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
-MODEL, DATA = "tiny-org/tiny-qwen2", "tiny-org/arith"
+MODEL, DATA, TWO = "tiny-org/tiny-qwen2", "tiny-org/arith", "tiny-org/two-configs"
 RECORDS = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(5) for b in range(4)]
 DECOYS = ("pytorch_model.bin", "onnx/model.onnx", "original/consolidated.pth")
 
@@ -55,7 +55,16 @@ def repos(tmp_path_factory):
         "README.md": b"# tiny arithmetic\n",
         "extra/notes.bin": b"not for jgrpo",
     }
-    return {("model", MODEL): model, ("dataset", DATA): data}
+    card = "---\nconfigs:\n" + "".join(
+        f"- config_name: {c}\n  data_files:\n"
+        + "".join(f"  - split: {sp}\n    path: {c}/{sp}.jsonl\n" for sp in ("train", "test"))
+        for c in ("main", "socratic")
+    )
+    two = {"README.md": (card + "---\n# two configs\n").encode()}
+    for c, n_test in (("main", 3), ("socratic", 5)):
+        two[f"{c}/train.jsonl"] = ("\n".join(lines[n_test:]) + "\n").encode()
+        two[f"{c}/test.jsonl"] = ("\n".join(lines[:n_test]) + "\n").encode()
+    return {("model", MODEL): model, ("dataset", DATA): data, ("dataset", TWO): two}
 
 
 def _env(home: Path, endpoint: str, offline: str = "0") -> dict:
@@ -206,3 +215,19 @@ def test_offline_lookup_reads_the_env_at_call_time(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     assert hub.cache_dir() == str(tmp_path / "hub")
     assert hub.fetch(MODEL, "model", "model.path") is None  # offline, not cached
+
+
+def test_a_dataset_with_two_configs_needs_data_dataset_config(repos, tmp_path):
+    env_home = tmp_path / "hf"
+    ids = [f"data.train_path={TWO}", f"data.val_path={TWO}"]
+    with HubServer(repos) as server:
+        env = _env(env_home, server.endpoint)
+        proc = _train(env, tmp_path, *ids)
+        _one_error_line(proc, f"data.dataset_config: data.train_path {TWO!r} has configs")
+        proc = _train(env, tmp_path, *ids, "data.dataset_config=nope")
+        _one_error_line(proc, "data.dataset_config: 'nope' is not a config of")
+        for config, n_val in (("main", 3), ("socratic", 5)):
+            argv = ["-c", _PREFLIGHT, TINY, *ids, f"data.dataset_config={config}"]
+            proc = _run(env, argv, tmp_path)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert f"VAL {n_val}" in proc.stdout  # that config's test split

@@ -149,7 +149,7 @@ def _load_folder(path: Path, key: str, split: str):
             ) from None
 
 
-def _load_hub(repo_id: str, key: str, split: str):
+def _load_hub(repo_id: str, key: str, split: str, config: Optional[str]):
     folder = hub.fetch(repo_id, "dataset", key)
     if folder is None:
         raise ConfigError(
@@ -161,9 +161,19 @@ def _load_hub(repo_id: str, key: str, split: str):
         return _load_folder(folder, key, split)
     with _quiet_datasets() as datasets:
         try:
-            splits = list(datasets.get_dataset_split_names(str(folder)))
+            configs = list(datasets.get_dataset_config_names(str(folder)))
+            if config is None and len(configs) > 1:
+                raise ConfigError(
+                    f"data.dataset_config: {key} {repo_id!r} has configs {configs}; choose one"
+                )
+            if config is not None and config not in configs:
+                raise ConfigError(
+                    f"data.dataset_config: {config!r} is not a config of {repo_id!r} ({key}); "
+                    f"it has {configs}"
+                )
+            splits = list(datasets.get_dataset_split_names(str(folder), config))
             chosen = _pick_split(splits, split, f"HF dataset {repo_id!r}", key)
-            return datasets.load_dataset(str(folder), split=chosen)
+            return datasets.load_dataset(str(folder), config, split=chosen)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -173,16 +183,16 @@ def _load_hub(repo_id: str, key: str, split: str):
             ) from None
 
 
-def load_table(spec: str, key: str, split: str = "train"):
-    """A `datasets.Dataset` of a file, datasets folder or cached hub dataset id; ConfigError
-    naming `key` on failure (missing, unreadable, empty)."""
+def load_table(spec: str, key: str, split: str = "train", config: Optional[str] = None):
+    """A `datasets.Dataset` of a file, datasets folder or hub dataset id (of config `config`,
+    data.dataset_config); ConfigError naming `key` on failure (missing, unreadable, empty)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         table = _load_folder(path, key, split)
     elif path.is_file():
         table = _load_file(path, key)
     elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
-        table = _load_hub(spec, key, split)
+        table = _load_hub(spec, key, split, config)
     else:
         raise ConfigError(f"{key}: {spec!r} does not exist")
     if len(table) == 0:

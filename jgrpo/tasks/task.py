@@ -171,7 +171,7 @@ class Task:
             table = dataset
         elif path is not None:
             where = f"{key} {path!r}"
-            table = load_table(path, key, split)
+            table = load_table(path, key, split, self.cfg.dataset_config)
         else:
             return None
         # ids name the record in its source: "train/<i>" for train and its held-out split
