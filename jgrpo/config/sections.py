@@ -118,9 +118,11 @@ class DataConfig:
     task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
     """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
     train_path: Optional[str] = None
-    """A JSONL/JSON/Parquet/CSV file, datasets folder or cached HF dataset id; None = generated."""
+    """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
     val_path: Optional[str] = None
     """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    dataset_config: Optional[str] = None
+    """Config (subset) of hub dataset ids, e.g. `main` of openai/gsm8k; None = their only one."""
     prompt_key: str = "prompt"
     """Task prompts: column holding a prompt string or a list of chat messages."""
     num_val_examples: int = 200

