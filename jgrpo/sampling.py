@@ -1,8 +1,9 @@
 """The sampler: jitted prefill + decode loop over a preallocated KV cache, generation logprobs.
 
 Owns `SamplingParams` (frozen; `from_rollout_config()`), `generate(model | (graphdef, state),
-prompts, params, key, first_row=0) -> Generation` (numpy out), the jitted core
-`generate_padded`, host-side `pad_prompts`, `filter_logits` (top-k then top-p, on
+prompts, params, key, first_row=0, group_size=1) -> Generation` (numpy out; group_size G: rows
+come in groups of G identical prompts, each prefilled once), the jitted core `generate_padded`,
+host-side `pad_prompts` / `shared_prompts`, `filter_logits` (top-k then top-p, on
 temperature-scaled logits) and `compile_count()`.
 
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
@@ -10,9 +11,9 @@ cache slot P + i and position prompt_len_b + i, the positions the trainer's forw
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`);
 `filtered_logprobs` are under the filtered distribution the token was drawn from. The draw of
 token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so rows do not depend on their
-batch. One executable per (B, P, DecodeSpec) and shardings; temperature and top_p are traced.
-Kernels follow `model.cfg.kernels`; the core compiles with `kernels.COMPILER_OPTIONS`.
-docs/sampler.md describes the loop, outputs, compiles and determinism in full."""
+batch. One executable per (B, U, P, DecodeSpec), shardings; temperature and top_p are traced.
+Kernels follow `model.cfg.kernels`; the core compiles with `kernels.COMPILER_OPTIONS`. In full:
+docs/sampler.md."""
 
 from __future__ import annotations
 
@@ -253,24 +254,30 @@ def _in_compute_dtype(model: Transformer) -> Transformer:
 
 
 def _generate_padded(
-    model: Transformer, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, row_ids_b, *, spec
+    model: Transformer, prompt_ids_up, prompt_lengths_u, key, temperature, top_p, row_ids_b, *, spec
 ):
     _COMPILES[0] += 1
-    b, p = prompt_ids_bp.shape
+    u, p = prompt_ids_up.shape
+    b = row_ids_b.shape[0]
+    group = b // u  # rows b = u * group + g share prompt u (1: every row its own prompt)
     n = spec.max_new_tokens
     stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
 
-    prompt_lengths_b = prompt_lengths_b.astype(jnp.int32)
-    prompt_mask_bp = jnp.arange(p)[None, :] >= p - prompt_lengths_b[:, None]
-    positions_bp = jnp.maximum(jnp.cumsum(prompt_mask_bp, axis=-1) - 1, 0)
+    prompt_lengths_u = prompt_lengths_u.astype(jnp.int32)
+    prompt_mask_up = jnp.arange(p)[None, :] >= p - prompt_lengths_u[:, None]
+    positions_up = jnp.maximum(jnp.cumsum(prompt_mask_up, axis=-1) - 1, 0)
     cache_len = _round_up(p + n - 1, _SLOT_ALIGN)  # slots past p + n - 2 are never written
-    kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, cache_len - p), jnp.bool_)], -1)
     path = resolve_kernels(model.cfg.kernels)
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
-    logits_bv, cache = model.prefill(
-        prompt_ids_bp, positions_bp, prompt_mask_bp, cache_len, last_layer=layers[-1]
+    logits_uv, cache = model.prefill(
+        prompt_ids_up, positions_up, prompt_mask_up, cache_len, last_layer=layers[-1]
     )
+    # each prompt's cache and last logits go to its `group` rows
+    to_rows = (lambda x: x) if group == 1 else (lambda x: jnp.repeat(x, group, axis=0))
+    logits_bv, cache = to_rows(logits_uv), jax.tree.map(to_rows, cache)
+    prompt_lengths_b, prompt_mask_bp = to_rows(prompt_lengths_u), to_rows(prompt_mask_up)
+    kv_mask_bs = jnp.concatenate([prompt_mask_bp, jnp.ones((b, cache_len - p), jnp.bool_)], -1)
 
     if spec.greedy:
 
@@ -351,8 +358,10 @@ def _generate_padded(
 generate_padded = jax.jit(
     _generate_padded, static_argnames="spec", compiler_options=kernels.COMPILER_OPTIONS
 )
-"""The jitted core on padded arrays: prompt_ids_bp [B, P] left-padded int32, prompt_lengths_b
-[B]; temperature / top_p scalars (traced). Returns device arrays (see `Generation`)."""
+"""The jitted core on padded arrays: prompt_ids_up [U, P] left-padded int32, prompt_lengths_u
+[U], row_ids_b [B] with B a multiple of U (rows u * B/U .. (u + 1) * B/U - 1 continue prompt u,
+which is prefilled once); temperature / top_p scalars (traced). Returns device arrays [B, ...]
+(see `Generation`)."""
 
 
 # ----------------------------------------------------------------------------- host wrapper
@@ -390,21 +399,49 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
     )
 
 
+def shared_prompts(prompts: list[list[int]], group_size: int) -> list[list[int]]:
+    """The prompt of each group of `group_size` consecutive rows, checked: every row of a group
+    holds the same prompt (ValueError naming the first row that does not)."""
+    if group_size < 1 or len(prompts) % group_size:
+        raise ValueError(
+            f"generate: group_size must be >= 1 and divide the {len(prompts)} prompts, "
+            f"got {group_size}"
+        )
+    for row, prompt in enumerate(prompts):
+        if list(prompt) != list(prompts[row - row % group_size]):
+            raise ValueError(
+                f"generate: group_size {group_size}: row {row}'s prompt differs from its "
+                f"group's first row {row - row % group_size}"
+            )
+    return prompts[::group_size]
+
+
 def generate(
-    model, prompts: list[list[int]], params: SamplingParams, key, first_row: int = 0
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    key,
+    first_row: int = 0,
+    group_size: int = 1,
 ) -> Generation:
     """Sample completions of `prompts` from `model` (a Transformer or (graphdef, state)).
 
     Row b draws with `fold_in(key, first_row + b)`: a batch split into parts (one per rollout
-    worker, each with its `first_row`) samples exactly what the whole batch would."""
+    worker, each with its `first_row`) samples exactly what the whole batch would.
+    `group_size` G > 1 says the rows come in consecutive groups of G identical prompts (a GRPO
+    step's G completions per prompt, checked): each group's prompt is prefilled once and its KV
+    cache and last logits are given to its G rows (prefill work / G); the draws stay keyed by
+    row, so the tokens are those of group_size=1 (up to float rounding of the prefill, which
+    XLA may compile differently for a different number of rows; docs/sampler.md)."""
     if not isinstance(model, nnx.Module):
         model = nnx.merge(*model)  # shares the state's arrays
     spec = make_decode_spec(model.cfg, params)
-    ids_bp, lengths_b = pad_prompts(prompts, params.prompt_bucket, spec.pad_id)
+    unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
+    ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(
         model,
-        ids_bp,
-        lengths_b,
+        ids_up,
+        lengths_u,
         key,
         np.float32(params.temperature),
         np.float32(params.top_p),
@@ -418,7 +455,7 @@ def generate(
         filtered_logprobs=out["filtered_logprobs"],
         lengths=out["lengths"],
         truncated=out["truncated"],
-        prompt_tokens=ids_bp,
-        prompt_lengths=lengths_b,
+        prompt_tokens=np.repeat(ids_up, group_size, axis=0),
+        prompt_lengths=np.repeat(lengths_u, group_size),
         num_decode_steps=int(out["num_decode_steps"]),
     )

@@ -536,3 +536,67 @@ def test_split_batch_samples_what_the_whole_batch_samples(pair):
     )
     shifted = generate(model, prompts[4:], params, key)  # without the offset: other draws
     assert not np.array_equal(shifted.tokens, whole.tokens[4:])
+
+
+# ----------------------------------------------------------------------------- shared prefill
+
+
+def grouped_prompts(num_prompts, group, seed):
+    """num_prompts distinct prompts of varied lengths, each repeated `group` times in a row."""
+    lengths = [5, 9, 3, 12, 7, 1, 10, 4][:num_prompts]
+    return [p for p in make_prompts(lengths, seed=seed) for _ in range(group)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernels_path", KERNELS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, temperature):
+    """group_size G: each prompt prefilled once for its G rows; the same tokens and logprobs
+    as prefilling every row (draws keyed by row: the G rows of a prompt still differ)."""
+    model = with_kernels(pair[1], kernels_path)
+    model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
+    prompts, group = grouped_prompts(4, 3, seed=6), 3
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=0.9, prompt_bucket=8)
+    key = jax.random.key(8)
+    rows = generate(model, prompts, params, key, first_row=6)
+    shared = generate(model, prompts, params, key, first_row=6, group_size=group)
+    np.testing.assert_array_equal(shared.tokens, rows.tokens)
+    np.testing.assert_array_equal(shared.lengths, rows.lengths)
+    np.testing.assert_array_equal(shared.prompt_tokens, rows.prompt_tokens)
+    np.testing.assert_array_equal(shared.prompt_lengths, rows.prompt_lengths)
+    # bit-identical here (4 vs 12 prefill rows compile alike); at other shapes XLA:CPU may fuse
+    # the prefill differently for another number of rows (a [b, 64, 64] float32 rms_norm
+    # becomes one fusion from b = 64 on, 1 ulp apart): then they agree to float32 rounding
+    np.testing.assert_array_equal(shared.logprobs, rows.logprobs)
+    np.testing.assert_array_equal(shared.filtered_logprobs, rows.filtered_logprobs)
+    if temperature > 0:  # the rows of one prompt drew different completions
+        assert (shared.tokens[0::group] != shared.tokens[1::group]).any()
+
+
+def test_shared_prefill_prefills_each_prompt_once(pair, monkeypatch):
+    """The prefill's input has one row per distinct prompt (B / G rows, not B)."""
+    _, model = pair
+    seen = []
+    prefill = type(model).prefill
+
+    def spy(self, input_ids_bt, *args, **kw):
+        seen.append(input_ids_bt.shape)
+        return prefill(self, input_ids_bt, *args, **kw)
+
+    monkeypatch.setattr(type(model), "prefill", spy)
+    prompts, group = grouped_prompts(4, 4, seed=3), 4
+    params = SamplingParams(max_new_tokens=7, temperature=1.0, prompt_bucket=8)  # a new compile
+    generate(model, prompts, params, jax.random.key(0), group_size=group)
+    generate(model, prompts, params, jax.random.key(0))
+    assert seen == [(4, 16), (16, 16)]
+
+
+def test_shared_prefill_checks_the_groups(pair):
+    _, model = pair
+    prompts = grouped_prompts(2, 3, seed=1)
+    params = SamplingParams(max_new_tokens=4, prompt_bucket=8)
+    with pytest.raises(ValueError, match="divide the 6 prompts"):
+        generate(model, prompts, params, jax.random.key(0), group_size=4)
+    prompts[4] = prompts[4] + [7]
+    with pytest.raises(ValueError, match="row 4's prompt differs from its group's first row 3"):
+        generate(model, prompts, params, jax.random.key(0), group_size=3)

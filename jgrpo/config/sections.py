@@ -337,6 +337,8 @@ class RolloutConfig:
     """Completion length cap; rows hitting it are truncated."""
     prompt_bucket: int = 32
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
+    shared_prefill: bool = False
+    """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -203,6 +203,7 @@ class RolloutEngine:
             params_s,
             key,
             first_row=first_prompt * num_generations,
+            group_size=num_generations if self.cfg.rollout.shared_prefill else 1,
         )
         sampled = time.perf_counter()
         completions = [
