@@ -3,8 +3,7 @@
 Owns `SamplingParams` (frozen; `from_rollout_config()`), `generate(model | (graphdef, state),
 prompts, params, key, first_row=0, group_size=1) -> Generation` (numpy out; group_size G: rows
 come in groups of G identical prompts, each prefilled once), the jitted core `generate_padded`,
-host-side `pad_prompts` / `shared_prompts`, `filter_logits` (top-k then top-p, on
-temperature-scaled logits) and `compile_count()`.
+host-side `pad_prompts` / `shared_prompts`, `filter_logits` (top-k, top-p) and `compile_count()`.
 
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
 cache slot P + i and position prompt_len_b + i, the positions the trainer's forward gives it.
