@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_inspect_step import QWEN25_1_5B
 
 REPO = Path(__file__).resolve().parents[1]
