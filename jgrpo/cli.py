@@ -169,7 +169,10 @@ def _dispatch(args) -> int:
         if args.checkpoint is not None:
             check_checkpoint_source(args.checkpoint, cfg)
 
+        from jgrpo.evaluation import format_table
+
         result = evaluate(cfg, args.checkpoint)
+        print(format_table({k: v for k, v in result.items() if k.startswith("val/")}))
         print(json.dumps(result))
         return 0
     return _train(cfg, args)

@@ -178,7 +178,7 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
 
     path = SIZES[size][0]
     if path == "tiny":
-        from jgrpo.models.sources import build_tiny_model
+        from jgrpo.models.tiny import build_tiny_model
 
         path = str(build_tiny_model(workdir / "tiny-model", overwrite=True, **TINY_MODEL))
     steppers, flops = {}, {}

@@ -45,6 +45,7 @@ from jgrpo.config.sections import (
     MeshConfig,
     ModelConfig,
     OptimConfig,
+    OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",
+    "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
     "apply_overrides",

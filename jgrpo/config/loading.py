@@ -65,6 +65,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return from_dict(tp, value, prefix=key)
+    if origin is tuple and isinstance(value, dict) and _is_pairs(tp):
+        value = [[k, v] for k, v in value.items()]  # {a: b} where pairs [[a, b]] are expected
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
@@ -102,6 +104,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a function, got {value!r}")
         return value
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _is_pairs(tp: Any) -> bool:
+    """`tp` is tuple[tuple[K, V], ...]: a mapping is accepted for it."""
+    args = typing.get_args(tp)
+    return (
+        len(args) == 2
+        and args[1] is Ellipsis
+        and typing.get_origin(args[0]) is tuple
+        and len(typing.get_args(args[0])) == 2
+    )
 
 
 def from_dict(cls, data: dict, prefix: str = "") -> Any:

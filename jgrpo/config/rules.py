@@ -2,9 +2,10 @@
 
 ``validate(cfg)`` runs the bounds (tables of dotted keys below), then one small function per
 section, each named for the section it checks (``check_data``, ``check_grpo``, ``check_loss``,
-...), in a fixed order so that a config with several faults always reports the same first one.
-The cross-field rules are those of docs/losses.md. Every failure raises ``ConfigError`` with
-one line naming the dotted key and what is allowed; ``validate`` returns the config unchanged.
+...; then the feature checks ``check_dapo``, ``check_evaluation``), in a fixed order so
+that a config with several faults always reports the same first one. The cross-field rules
+are those of docs/losses.md. Every failure raises ``ConfigError`` with one line naming the
+dotted key and what is allowed; ``validate`` returns the config unchanged.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def validate(cfg: Config) -> Config:
     check_optim(cfg.optim)
     check_lora(cfg.model.lora)
     check_mesh(cfg.mesh)
+    check_dapo(cfg)
+    check_evaluation(cfg)
     return cfg
 
 
@@ -370,3 +373,64 @@ def check_mesh(mesh: MeshConfig) -> None:
         [mesh.data, mesh.fsdp, mesh.tensor].count(-1) <= 1,
         "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
     )
+
+
+def check_dapo(cfg: Config) -> None:
+    """The DAPO keys: overlong buffer, dynamic sampling (docs/dapo.md)."""
+    g, ro = cfg.grpo, cfg.rollout
+    ob = g.overlong_buffer
+    if ob is not None:
+        _require(
+            1 <= ob.length <= ro.max_new_tokens,
+            f"grpo.overlong_buffer.length: must lie in [1, rollout.max_new_tokens = "
+            f"{ro.max_new_tokens}], got {ob.length}",
+        )
+        _require(ob.penalty >= 0, f"grpo.overlong_buffer.penalty: must be >= 0, got {ob.penalty}")
+    _require(
+        1 <= g.dynamic_sampling_max_gen_batches <= 1024,
+        "grpo.dynamic_sampling_max_gen_batches: must lie in [1, 1024], got "
+        f"{g.dynamic_sampling_max_gen_batches}",
+    )
+    _require(
+        g.batch_multiplier >= 1 and g.gen_prompts_per_batch <= MAX_BATCH_ROWS,
+        f"grpo.batch_multiplier: must be >= 1 (and P x it <= {MAX_BATCH_ROWS}), got "
+        f"{g.batch_multiplier}",
+    )
+    _require(
+        g.use_dynamic_sampling or g.batch_multiplier == 1,
+        "grpo.batch_multiplier: > 1 needs grpo.use_dynamic_sampling=true",
+    )
+    if g.use_dynamic_sampling:
+        _require(
+            ro.max_staleness == 0,
+            "grpo.use_dynamic_sampling: needs rollout.max_staleness 0 (the extra prompts of a "
+            "step are drawn after it is collected)",
+        )
+        _require(
+            g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
+            "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
+        )
+
+
+def check_evaluation(cfg: Config) -> None:
+    """n validation samples, the pass@k list, the named validation sets (docs/dapo.md)."""
+    g, ro = cfg.grpo, cfg.rollout
+    n = g.val_num_generations
+    _require(1 <= n <= 1024, f"grpo.val_num_generations: must lie in [1, 1024], got {n}")
+    for k in g.val_pass_at:
+        _require(
+            1 <= k <= n, f"grpo.val_pass_at: k = {k} must lie in [1, val_num_generations = {n}]"
+        )
+    t = ro.val_temperature
+    _require(
+        n == 1 or (t if t is not None else ro.temperature) > 0,
+        "rollout.val_temperature: the val_num_generations samples need a temperature > 0",
+    )
+    names = [name for name, _ in cfg.data.val_sets]
+    for name in names:
+        _require(
+            name.replace("_", "").replace("-", "").isalnum()
+            and name != "val"
+            and names.count(name) == 1,
+            f"data.val_sets: name {name!r} must be unique, not 'val', letters/digits/_/- only",
+        )

@@ -10,6 +10,7 @@ properties, never fields. Cross-field rules live in ``jgrpo.config.rules``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal, Optional, Union
 
@@ -136,6 +137,8 @@ class DataConfig:
     """Importing the reward functions at start-up may take this long (then a ConfigError)."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
+    val_sets: tuple[tuple[str, str], ...] = ()
+    """More named held-out sets {name: path} (same formats and task), logged as val/<name>/."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -152,6 +155,16 @@ class AdvantageConfig:
     """Lower clamp on advantages (None = off)."""
     advantage_clip_high: Optional[float] = None
     """Upper clamp on advantages (None = off)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Eq. 13), added to the reward as its own term."""
+
+    length: int
+    """L_cache: completions longer than rollout.max_new_tokens - length are penalised."""
+    penalty: float = 1.0
+    """reward += min(-(L - (Lmax - length)) / length * penalty, 0), Lmax = max_new_tokens."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -176,6 +189,10 @@ class GRPOConfig:
     """Validate after the last step."""
     val_pass_k: int = 1
     """k of pass@k at validation (1 = greedy accuracy)."""
+    val_num_generations: int = 1
+    """n samples per held-out example at rollout.val_temperature (1 = off): mean@n, maj@n."""
+    val_pass_at: tuple[int, ...] = (1,)
+    """k values of the unbiased pass@k from the n samples (each k <= val_num_generations)."""
     seed: int = 42
     """Seeds data order, sampling and init."""
     seq_logprob_error_threshold: Optional[float] = None
@@ -184,6 +201,23 @@ class GRPOConfig:
     """Explicitly skip the reference forward (requires loss.reference_policy_kl_penalty == 0)."""
     advantage: AdvantageConfig = AdvantageConfig()
     """Advantage estimator."""
+    overlong_buffer: Optional[OverlongBufferConfig] = None
+    """DAPO overlong reward shaping {length, penalty} (None = off; docs/dapo.md)."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop all-equal groups, generate more until P informative ones."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Generation batches per step at most (the first included) before giving up."""
+    dynamic_sampling_on_exhausted: Literal["warn", "raise"] = "warn"
+    """Past max_gen_batches: warn (one line) and train on the groups there are, or raise."""
+    dynamic_sampling_filter: Literal["reward", "correct"] = "reward"
+    """Informative = the unshaped reward (or the verifier's correct) is not all equal."""
+    batch_multiplier: float = 1.0
+    """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
+
+    @property
+    def gen_prompts_per_batch(self) -> int:
+        """Prompts per generation batch: P, or ceil(P x batch_multiplier) with dynamic sampling."""
+        return math.ceil(self.num_prompts_per_step * self.batch_multiplier)
 
     @property
     def batch_size(self) -> int:
@@ -231,6 +265,8 @@ class LossConfig:
     """Upper bound of the IS weight for truncation."""
     truncated_importance_sampling_ratio_min: Optional[float] = None
     """Lower bound of the IS weight for truncation (None = 0)."""
+    overlong_filtering: bool = False
+    """DAPO: truncated rows (no stop token) get sample_mask 0; they stay in the group stats."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -279,6 +315,8 @@ class RolloutConfig:
     """Nucleus sampling mass (1 = off)."""
     top_k: Optional[int] = None
     """Keep the k most likely tokens (None = off)."""
+    val_temperature: Optional[float] = None
+    """Temperature of the n validation samples (None = rollout.temperature)."""
     max_new_tokens: int = 256
     """Completion length cap; rows hitting it are truncated."""
     prompt_bucket: int = 32

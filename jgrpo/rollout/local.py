@@ -27,6 +27,7 @@ from jgrpo.rollout.engine import (
     gather_pod_rows,
     join_pod_slice,
     step_key,
+    train_salt,
 )
 
 
@@ -43,7 +44,7 @@ class LocalRollout:
         self.num_generations = num_generations
         self.params = None
         self.version = -1
-        self.pending: dict[int, tuple[list, int]] = {}
+        self.pending: dict[tuple[int, int], tuple[list, int]] = {}
         self._host_mesh = None
 
     def publish(self, params, version: int) -> dict[str, float]:
@@ -54,13 +55,13 @@ class LocalRollout:
         self.params, self.version = params, version
         return {"rollout/weight_sync_s": 0.0}
 
-    def request(self, step: int, examples: list) -> None:
+    def request(self, step: int, examples: list, gen_batch: int = 0) -> None:
         lo, hi = distributed.process_slice(len(examples))
-        self.pending[step] = (examples[lo:hi], lo)
+        self.pending[step, gen_batch] = (examples[lo:hi], lo)
 
-    def collect(self, step: int) -> RolloutResult:
-        examples, first = self.pending.pop(step)
-        key = step_key(self.seed, step)
+    def collect(self, step: int, gen_batch: int = 0) -> RolloutResult:
+        examples, first = self.pending.pop((step, gen_batch))
+        key = step_key(self.seed, step, train_salt(gen_batch))
         result = self.engine.rollout(
             self.graphdef,
             self._model_params(),
@@ -93,6 +94,7 @@ class LocalRollout:
             pass_k,
             greedy=pass_k == 1,
             first_prompt=first,
+            training=False,
         )
 
     def _model_params(self):

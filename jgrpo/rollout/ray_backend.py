@@ -37,6 +37,7 @@ from jgrpo.rollout.engine import (
     gather_pod_rows,
     join_pod_slice,
     step_key,
+    train_salt,
 )
 
 
@@ -314,6 +315,7 @@ class RolloutWorker:
             num_generations,
             greedy=greedy,
             first_prompt=first_prompt,
+            training=salt != VALIDATION_SALT,
         )
         result.stats["rollout/weight_pull_s"] = pull_s
         result.stats["rollout/generate_s"] = time.perf_counter() - start
@@ -324,7 +326,7 @@ class RolloutWorker:
 class _Job:
     """One batch to generate: a training step (bounded staleness) or a validation pass."""
 
-    name: tuple  # ("train", step, part) | ("eval", n, part)
+    name: tuple  # ("train", step, gen_batch, part) | ("eval", n, 0, part)
     step: int
     examples: list
     salt: int
@@ -441,21 +443,25 @@ class RayRollout:
         nbytes = sum(data.nbytes for _, _, shards in leaves for _, data in shards)
         return self._sync_metrics(start, gathered, done, nbytes)
 
-    def request(self, step: int, examples: list) -> None:
-        """Queue step's batch; it starts now if a worker is idle and the weights are fresh.
-        On a pod: this process's slice of the examples only."""
-        name = ("train", step)
+    def request(self, step: int, examples: list, gen_batch: int = 0) -> None:
+        """Queue step's batch (its `gen_batch`-th generation batch: dynamic sampling); it
+        starts now if a worker is idle and the weights are fresh. On a pod: this process's
+        slice of the examples only."""
+        name = ("train", step, gen_batch)
         if name in self._requested:
             raise ValueError(f"request: step {step} was already requested")
         self._requested.add(name)
         lo, hi = distributed.process_slice(len(examples))
-        self._queue += self._split(name, step, examples[lo:hi], 0, self.num_generations, False, lo)
-        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, j.name[2]))
+        salt = train_salt(gen_batch)
+        self._queue += self._split(
+            name, step, examples[lo:hi], salt, self.num_generations, False, lo
+        )
+        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, *j.name[2:]))
         self._pump()
 
-    def collect(self, step: int) -> RolloutResult:
+    def collect(self, step: int, gen_batch: int = 0) -> RolloutResult:
         """Block until step's batch is scored; returns it once (a second collect raises)."""
-        name = ("train", step)
+        name = ("train", step, gen_batch)
         if name not in self._requested:
             raise KeyError(f"collect: step {step} was not requested (or was already collected)")
         result = self._gather(name)
@@ -464,7 +470,7 @@ class RayRollout:
 
     def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
         """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
-        name = ("eval", self._num_evals)
+        name = ("eval", self._num_evals, 0)
         self._num_evals += 1
         lo, hi = distributed.process_slice(len(examples))
         jobs = self._split(name, step, examples[lo:hi], VALIDATION_SALT, pass_k, pass_k == 1, lo)
@@ -598,7 +604,7 @@ class RayRollout:
             if job.max_staleness is not None and job.step - version > job.max_staleness:
                 continue  # too far ahead of the newest weights: wait for a newer publish
             n = len(self._workers)
-            first = job.step + job.name[2]
+            first = job.step + job.name[3]
             idle = [(first + j) % n for j in range(n) if (first + j) % n not in busy]
             if not idle:
                 return

@@ -3,10 +3,10 @@
 Signature (TRL's), called once per function per scored batch, every argument a list aligned
 with the rows and passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
 list[float | None]` (`completions[b]` is `[{"role": "assistant", "content": text}]` for chat
-prompts; one list per dataset column). `per_sample: true` keeps `fn(prompt, completion,
-example) -> float`. None (or NaN) = no reward from this function for this sample (counted, not
-a zero); a sample whose every term is None gets sample_mask 0. Exceptions, timeouts and
-non-numbers score 0 and are counted (`reward/num_errors`, `reward/num_timeouts`).
+prompts; `completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per
+dataset column). `per_sample: true` keeps `fn(prompt, completion, example) -> float`. None =
+no reward from this function for this sample (counted, not a zero); a sample whose every term
+is None gets sample_mask 0. Exceptions, timeouts and non-numbers score 0 and are counted.
 Functions run in a child process (`python -c`, nothing forked; given as `module:function` or
 cloudpickled objects): `RewardRunner.start` imports/unpickles and checks every function under
 data.reward_import_timeout_s before any model loads (a failing import is a ConfigError naming
