@@ -34,8 +34,8 @@ from flax import nnx
 from jgrpo import sampling, sharding, step
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
-from jgrpo.inspect_step import analytic_flops, inspect_step, model_config_of
-from jgrpo.models import Transformer, TransformerConfig, model_options
+from jgrpo.inspect_step import analytic_flops, inspect_step
+from jgrpo.models import Transformer, TransformerConfig, model_options, policy_config
 from jgrpo.models.tiny import tiny_model_fields
 from jgrpo.rollout.engine import assemble_batch
 
@@ -179,7 +179,7 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
         (Path(folder) / "config.json").write_text(json.dumps(hf_config))
         cfg = load_config(config, [f"model.path={folder}", "mesh.data=1", "mesh.fsdp=1"])
         estimate = inspect_step(cfg)
-        model_cfg = model_config_of(cfg)
+        model_cfg = policy_config(cfg.model)
     mesh = sharding.make_mesh(cfg.mesh, [device])
     built = step.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
     batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
