@@ -201,3 +201,34 @@ def test_lora_optimizer_bytes_add_up_to_the_adapter_shapes():
     assert lora["trainable_param_bytes_per_device"] == 4 * adapters
     ratio = lora["opt_state_bytes_per_device"] / full["opt_state_bytes_per_device"]
     assert ratio == pytest.approx(adapters / full_params, rel=1e-3)  # 18%, not 10%
+
+
+@pytest.mark.slow
+def test_qwen25_1_5b_shape_pure_bf16_temporaries_hold_no_float32_copy(tmp_path):
+    """The same 1.5B shape with pure bf16 parameters (model.dtype=bfloat16) against float32
+    master weights. XLA:CPU slices bfloat16 arrays in float32: a scan over the stacked
+    bfloat16 weights converted each whole stack to float32 once, hoisted out of the layer
+    loop, so pure bf16 held a float32 copy of its parameters (4 bytes x params per device)
+    that mixed precision, whose master weights are float32 arguments already, did not. The
+    layer loop now slices their uint16 views (`transformer._from_bits`); XLA:CPU materialises
+    that view (2 bytes x params), which is what pure bf16 may still add, with the
+    microbatch's bfloat16 gradient buffers, over mixed precision."""
+    overrides = [
+        "grpo.num_prompts_per_step=32",
+        "grpo.num_generations_per_prompt=8",
+        "rollout.prompt_bucket=64",
+        "rollout.max_new_tokens=1024",
+    ]
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "bf16").mkdir()
+    mixed = inspect_shape(tmp_path / "mixed", QWEN25_1_5B, overrides, (8,))[8]
+    pure = [*overrides, "model.dtype=bfloat16"]
+    bf16 = inspect_shape(tmp_path / "bf16", QWEN25_1_5B, pure, (8,))[8]
+    assert bf16["param_dtype"] == "bfloat16" and mixed["param_dtype"] == "float32"
+    view = bf16["param_bytes_per_device"]  # the uint16 view: 2 bytes x params per device
+    float32_copy = 2 * view
+    assert float32_copy == mixed["param_bytes_per_device"]
+    extra = bf16["temp_bytes_per_device"] - mixed["temp_bytes_per_device"]
+    assert 0 < extra <= 1.2 * view < float32_copy  # the hoisted float32 copy would be 2x view
+    assert mixed["temp_bytes_per_device"] <= 4 * 2**30
+    assert bf16["temp_bytes_per_device"] <= 4.1 * 2**30

@@ -2,6 +2,7 @@
 LM head equals losses.token_logprobs of the full logits, remat changes no number."""
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -254,3 +255,42 @@ def test_schedule_values_by_hand():
         )
         values = [float(step.make_schedule(flags)(i)) for i in range(11)]
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(remat):
+    """bfloat16 parameters reach the layer loop as their integer view (`_from_bits`): no
+    float32 copy of a stacked weight in the compiled program, and the gradients are those of
+    the same values held in float32 and cast to bfloat16 in the loop (float32 master weights,
+    bfloat16 compute: the same forward), up to bfloat16 rounding of the gradient itself."""
+    batch = make_rollout_batch(1)
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    grads = {}
+    for param_dtype in ("bfloat16", "float32"):
+        cfg = TransformerConfig(
+            **{**vars(MODEL), "dtype": "bfloat16", "param_dtype": param_dtype, "remat": remat}
+        )
+        model = Transformer(cfg, rngs=nnx.Rngs(2), init_scale=0.3)
+        graphdef, params = nnx.split(model)
+        params = nnx.to_pure_dict(params)
+        if param_dtype == "float32":  # exactly the bfloat16 run's values
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+
+        def loss(p, graphdef=graphdef):
+            lp = nnx.merge(graphdef, p).token_logprobs(ids, mask)
+            return jnp.sum(lp * batch["token_mask"])
+
+        fn = jax.jit(jax.grad(loss))
+        grads[param_dtype] = fn(params)
+        if param_dtype == "bfloat16":  # no stacked layer weight converted whole to float32
+            hlo = fn.lower(params).compile().as_text()
+            entry = hlo[hlo.index("\nENTRY") :]
+            inputs = set(re.findall(r"%(\S*layers\S*) = bf16\[[\d,]*\]\S* parameter\(", entry))
+            assert len(inputs) == len(params["layers"])
+            upcasts = re.findall(r"= f32\[[\d,]*\]\S* (?:convert|fusion)\(%([^,)\s]+)\)", entry)
+            assert not inputs & set(upcasts)
+    for name in grads["float32"]["layers"]:
+        g16 = np.asarray(grads["bfloat16"]["layers"][name], np.float32)
+        g32 = np.asarray(grads["float32"]["layers"][name])
+        assert np.abs(g16).max() > 0, name  # the gradient reaches the bfloat16 weights
+        np.testing.assert_allclose(g16, g32, rtol=0.02, atol=0.02 * np.abs(g32).max())
