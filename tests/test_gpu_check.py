@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--tiny", "--out", str(out)],
         env=env,

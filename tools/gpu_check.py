@@ -174,6 +174,10 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
     """The recipe's train step on a random model of its shape (model.path = a folder holding
     only `hf_config`), one device: inspect-step's estimate, then `steps` timed steps after a
     compile. Run it first: the device's peak memory is the process's."""
+    if jax.device_count() != 1:  # inspect-step sizes the mesh of every visible device
+        return {
+            "skipped": f"{jax.device_count()} devices visible; needs one (CUDA_VISIBLE_DEVICES=0)"
+        }
     device = jax.devices()[0]
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(hf_config))
