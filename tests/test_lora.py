@@ -494,8 +494,11 @@ def lora_step_on(mesh_shape, overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["grpo.num_minibatches=2"],
-        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+        pytest.param(["grpo.num_minibatches=2"], marks=pytest.mark.heavy),
+        pytest.param(
+            ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+            marks=pytest.mark.heavy,
+        ),
         [
             "grpo.advantage.estimator=reinforce_plus_plus",
             "loss.use_kl_in_reward=true",
@@ -509,7 +512,8 @@ def test_lora_step_is_mesh_and_microbatch_invariant(overrides):
     """Loss and adapter gradients of a step: 1 device, 1 microbatch = 8 devices (data 2 x
     fsdp 2 x tensor 2) with 2 microbatches; the adapters are sharded like the weights they
     adapt. (Gradients, not the updated adapters: Adam's first update is ~lr * sign(g), which
-    turns float rounding of a near-zero gradient into an lr-sized difference.)"""
+    turns float rounding of a near-zero gradient into an lr-sized difference.) make test runs
+    the loss with the most parts (KL in the reward, importance sampling), make test-all all."""
     loss0, grads0, moved, shard0 = lora_step_on((1, 1, 1), overrides)
     loss, grads, _, shard = lora_step_on((2, 2, 2), [*overrides, "grpo.num_microbatches=2"])
     assert np.isfinite(loss0) and loss == pytest.approx(loss0, abs=1e-5)

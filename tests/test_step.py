@@ -172,20 +172,32 @@ def one_step_on(mesh_shape):
     )
 
 
-def test_meshes_agree_and_really_shard():
-    results = {shape: one_step_on(shape) for shape in MESHES}
-    loss0, grads0, params0, shards0, _ = results[(1, 1, 1)]
-    for shape, (loss, grads, params, shards, new_state) in results.items():
-        assert loss == pytest.approx(loss0, abs=1e-5), shape
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
-        _, fsdp, tensor = shape
-        # q: [layers, embed, heads, head_dim] -> embed over fsdp, heads over tensor
-        assert shards["q"] == (2, 32 // fsdp, 4 // tensor, 8), shape
-        assert shards["gate"] == (2, 32 // fsdp, 64 // tensor), shape
-        # the output state keeps the param shardings (step two would not recompile)
-        q = new_state.params["layers"]["q"]
-        assert q.addressable_shards[0].data.shape == shards["q"]
+@pytest.fixture(scope="module")
+def one_device_step():
+    """one_step_on the 1-device mesh: the reference every mesh is compared with."""
+    return one_step_on(MESHES[0])
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(shape, marks=pytest.mark.heavy) for shape in MESHES[1:-1]] + [MESHES[-1]],
+    ids=lambda shape: "x".join(map(str, shape)),
+)
+def test_meshes_agree_and_really_shard(shape, one_device_step):
+    """One step on a mesh = the 1-device step (make test: data x fsdp x tensor = 2 x 2 x 2,
+    every axis at once; make test-all: every mesh of MESHES)."""
+    loss0, grads0, params0, _, _ = one_device_step
+    loss, grads, params, shards, new_state = one_step_on(shape)
+    assert loss == pytest.approx(loss0, abs=1e-5), shape
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
+    _, fsdp, tensor = shape
+    # q: [layers, embed, heads, head_dim] -> embed over fsdp, heads over tensor
+    assert shards["q"] == (2, 32 // fsdp, 4 // tensor, 8), shape
+    assert shards["gate"] == (2, 32 // fsdp, 64 // tensor), shape
+    # the output state keeps the param shardings (step two would not recompile)
+    q = new_state.params["layers"]["q"]
+    assert q.addressable_shards[0].data.shape == shards["q"]
 
 
 def test_nonfinite_update_is_skipped(rollout_batch):
