@@ -270,6 +270,8 @@ def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkey
     assert time.perf_counter() - start < 120
 
 
+# make test: the same three sets of forwards in test_step's test_skipped_forwards_are_absent_...
+@pytest.mark.heavy
 def test_inspect_step_reports_forwards(capsys):
     reports = {}
     for name, overrides in {
@@ -306,6 +308,7 @@ QWEN05 = {
 }
 
 
+@pytest.mark.heavy  # make test: test_inspect_step (the SmolLM2 shape on 8 devices)
 def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN05))
     reports = {}
@@ -333,6 +336,7 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     assert reports[8]["temp_bytes_per_device"] > 0
 
 
+@pytest.mark.heavy  # make test: test_tasks loads GSM8K JSONL and scores countdown
 def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
     records = [
         {
@@ -383,7 +387,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_resume_after_sigkill_..., test_checkpoint's killed saves
 def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsys, tmp_path):
     common = [
         "grpo.max_num_steps=6",

@@ -158,7 +158,7 @@ def test_sampler_weights_are_merged(hf_base):
         np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     """The Ray backend puts base + adapters on the first publish, adapters alone after it, and
     samples what the local backend samples from base | adapters (both versions)."""
@@ -267,7 +267,7 @@ def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
     assert all(x.dtype == jnp.float32 for x in moments)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: bf16 training in test_precision, LoRA in float32
 def test_lora_over_a_bfloat16_base_trains(tmp_path):
     """Pure-bf16 base (model.dtype=bfloat16) with float32 adapters: the base stays bf16 and
     unchanged, the adapters and their Adam moments are float32, and the steps are finite."""
@@ -294,7 +294,7 @@ def test_lora_over_a_bfloat16_base_trains(tmp_path):
         t.checkpointer.close()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_reference_logprobs_are_the_base_logprobs_exactly
 def test_lora_step_holds_no_reference_copy():
     """inspect-step: with LoRA, beta != 0 adds no argument bytes to the compiled step (the
     reference is the base itself); without LoRA it adds the full reference copy."""

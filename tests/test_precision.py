@@ -44,7 +44,10 @@ def moments(opt_state) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override, param_dtype",
-    [("model.dtype=bfloat16", "bfloat16"), ("model.compute_dtype=bfloat16", "float32")],
+    [
+        ("model.dtype=bfloat16", "bfloat16"),
+        pytest.param("model.compute_dtype=bfloat16", "float32", marks=pytest.mark.heavy),
+    ],
 )
 def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
     cfg = load_config(TINY, [*QUIET, override, "grpo.max_num_steps=3"])
@@ -76,7 +79,7 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
         assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: the portable path's parity in test_model, test_sampling
 def test_portable_kernels_train_the_tiny_config_on_cpu(tmp_path):
     """model.kernels=portable runs the GPU/TPU code path (jax.nn.dot_product_attention, the
     [b, s, k, h] cache, jax.random) on CPU, in the sampler and the trainer alike."""
@@ -127,7 +130,9 @@ def chunked_vs_reference(model, batch, temperature, chunk, first=1):
 
 
 @pytest.mark.parametrize(
-    "chunk, first", [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1), (4, 5), (0, 5), (2, 13), (0, 14)]
+    "chunk, first",
+    [pytest.param(*c, marks=pytest.mark.heavy) for c in [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1)]]
+    + [(4, 5), (0, 5), (2, 13), (0, 14)],
 )
 def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
     """Any chunking, scoring every column (first 1) or only those from the completion's first
@@ -146,8 +151,14 @@ def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
         np.testing.assert_allclose(a, b, atol=2e-6 * float(np.abs(b).max()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("chunk", [4, 0])
+@pytest.mark.parametrize(
+    "chunk, tied",
+    [
+        (4, True),
+        (0, False),
+        *(pytest.param(*c, marks=pytest.mark.heavy) for c in [(4, False), (0, True)]),
+    ],
+)
 def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     """The trainer's layout (fsdp=8: rows split, the head split over the vocab inside the
     chunks, `sharding.LogitShardings`) gives the unsharded full-logits numbers, value and
@@ -201,7 +212,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     assert f"[{v // 8},{d}]" in hlo or f"[{d},{v // 8}]" in hlo
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.heavy)])
 def test_remat_changes_no_number(remat):
     batch = make_rollout_batch(2)
     results = {}

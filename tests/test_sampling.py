@@ -484,7 +484,7 @@ def test_sharded_params_give_the_same_tokens(pair, temperature, kernels_path):
 # ----------------------------------------------------------------------------- real model
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: tiny greedy parity; test_model: SmolLM2 logits
 def test_smollm2_greedy_matches_transformers():
     sources = pytest.importorskip("jgrpo.models.sources")
     try:

@@ -125,9 +125,15 @@ def grads_for(num_microbatches, overrides=()):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["loss.reference_policy_kl_penalty=0.1"],
-        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
-        ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+        pytest.param(["loss.reference_policy_kl_penalty=0.1"], marks=pytest.mark.heavy),
+        pytest.param(
+            ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param(
+            ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+            marks=pytest.mark.heavy,
+        ),
         [
             "loss.aggregation=seq_mean",
             "loss.sequence_level_importance_ratios=true",
