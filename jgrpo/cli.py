@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--fresh", action="store_true", help="delete --run-dir contents first")
     train.add_argument("--show-config", action="store_true", help="print the resolved config")
-    pod = train.add_argument_group("multi-host pod (one process per host; see README)")
+    pod = train.add_argument_group("multi-host pod (one process per host; see docs/pods.md)")
     pod.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     pod.add_argument("--num-processes", type=int, metavar="N", help="processes in the pod")
     pod.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
@@ -169,7 +169,10 @@ def _dispatch(args) -> int:
         if args.checkpoint is not None:
             check_checkpoint_source(args.checkpoint, cfg)
 
+        from jgrpo.evaluation import format_table
+
         result = evaluate(cfg, args.checkpoint)
+        print(format_table({k: v for k, v in result.items() if k.startswith("val/")}))
         print(json.dumps(result))
         return 0
     return _train(cfg, args)
@@ -218,14 +221,15 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
 
 
 def _check_model_and_data(cfg, data: bool = True) -> None:
-    """The checks that need no jax: model folder (headers, shapes, tokenizer) and data."""
+    """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
+    data first, so a bad data option is named before a model download of gigabytes."""
     from jgrpo.models.sources import check_model_path
 
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
     if data:
         from jgrpo.tasks import make_task
 
         make_task(cfg.data, cfg.grpo.seed)
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
 
 
 def run_folder_kind(run_dir: Path) -> str:

@@ -1,23 +1,18 @@
 """Pre-flight check of an HF model folder: everything a load would trip on, without loading it.
 
 Owns :func:`check_hf_folder`, called by :func:`jgrpo.models.sources.check_model_path` before
-any model work starts. It reads only small things (config.json, the safetensors headers, the
-tokenizer), imports neither jax nor transformers, and raises :class:`ConfigError` with one line
-naming the file and what is wrong:
-
+any model work starts. It reads only small things, imports neither jax nor transformers, and
+raises :class:`ConfigError` with one line naming the file and what is wrong:
 - config.json: UTF-8 JSON, a mapping, positive integer sizes, heads that divide;
 - weights: model.safetensors or the index and every shard it names; each header parses, its
-  dtypes are ones the loader reads, its data offsets fit the file (a truncated download is
-  caught here, not as a bus error in the middle of a load), and the shape of every tensor the
-  decoder needs matches what config.json implies (:func:`hf_tensor_shapes`);
+  dtypes are ones the loader reads, its data offsets fit the file (a truncated download), and
+  every tensor the decoder needs has the shape config.json implies (:func:`hf_tensor_shapes`);
 - tokenizer: tokenizer.json loads with `tokenizers`, turns a sample prompt into at least one
-  token, and every id it gives is below config.json's vocab_size;
-- length: `sequence_length` (rollout.prompt_bucket + rollout.max_new_tokens) fits
-  max_position_embeddings.
-
+  token, and every id it gives is below config.json's vocab_size; the other small JSON files
+  (`_SMALL_JSON`: tokenizer_config, special_tokens_map, generation_config, ...) are objects;
+- length: rollout.prompt_bucket + rollout.max_new_tokens fits max_position_embeddings.
 The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
-loader re-checks every shape when it copies the weights.
-"""
+loader re-checks every shape when it copies the weights."""
 
 from __future__ import annotations
 
@@ -27,30 +22,29 @@ import struct
 from pathlib import Path
 from typing import Any, Optional
 
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, read_json
 
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 """safetensors dtypes the loader (hf.read_safetensors) reads, and their sizes in bytes."""
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit on the JSON header
 _SAMPLE_PROMPT = "What is 12+34? Answer: 46"
+_SMALL_JSON = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""JSON files of a model folder that must parse as objects when present."""
 
 
 def _fail(path: Path, what: str) -> None:
     raise ConfigError(f"model.path: {str(path)!r} {what}")
 
 
-def read_json_file(path: Path) -> Any:
-    """Parse a small JSON file; ConfigError naming it when unreadable, not UTF-8 or not JSON."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        _fail(path, f"cannot be read ({e.strerror})")
-    except UnicodeDecodeError:
-        _fail(path, "is not UTF-8 text (a binary file?)")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        _fail(path, f"is not valid JSON (line {e.lineno}: {e.msg})")
+def read_json_file(path: Path, kind: type | None = None) -> Any:
+    """Parse a small JSON file of the model folder (:func:`jgrpo.config.read_json`)."""
+    return read_json(path, "model.path", kind)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -191,9 +185,9 @@ def _weight_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, 
 
 def _check_tokenizer(folder: Path, vocab_size: int) -> None:
     path = folder / "tokenizer.json"
-    config = folder / "tokenizer_config.json"
-    if config.is_file() and not isinstance(read_json_file(config), dict):
-        _fail(config, "must hold a JSON object")
+    for name in _SMALL_JSON:  # what AutoTokenizer and the exporter read besides tokenizer.json
+        if (folder / name).is_file():
+            read_json_file(folder / name, dict)
     if not path.is_file():
         if not any((folder / n).is_file() for n in ("tokenizer.model", "vocab.json")):
             _fail(folder, "has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")

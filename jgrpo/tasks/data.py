@@ -1,30 +1,18 @@
 """Datasets of records and the deterministic, restorable order of training examples.
 
 Sources (`load_table(spec, key, split)`, always through the `datasets` library, imported only
-when file data is used):
-- a file, by suffix: `.jsonl` / `.ndjson` / `.json` (JSON Lines or a list of objects),
-  `.parquet` / `.pq`, `.csv`; read by `datasets.load_dataset(<builder>, data_files=...)`, which
-  converts it once into a memory-mapped Arrow file in the HF datasets cache (a column mixing
-  strings and lists, e.g. prompts some plain and some chat messages, becomes a `Json` column);
-- a folder written by `Dataset.save_to_disk` (`DatasetDict` folders: split `train` for
-  data.train_path, `test` or `validation` for data.val_path), read by `load_from_disk`;
-- a Hugging Face dataset id (`org/name`) already in the local hub cache: its snapshot folder
-  (`huggingface_hub.snapshot_download(..., local_files_only=True)`, offline) loaded like a
-  local dataset repository, same split rule.
-Python data (the `jgrpo.GRPOTrainer` API) is a list of dicts or a `datasets.Dataset`.
-
-Nothing is read into a Python list: `Rows` indexes the Arrow table and builds an example when
-the stream hands it out. Null values in a required field are found up front with Arrow's null
-counts (`first_null`), so a bad record is named before any model loads.
-
-Streams hand out examples with `next_prompts(n)` and carry a small JSON state:
-- `RecordStream` (file data), state `{"kind": "records", "seed", "epoch", "offset",
-  "num_records"}`: epoch e visits the records in `permutation(rng(seed, e))` order (or file order
-  when data.shuffle is off), so every epoch reshuffles and no state beyond the position is needed.
-- `SyntheticStream` (generated data), state `{"kind": "synthetic", "seed", "index"}`: example i
-  is drawn from `rng(seed, i)`, an infinite stream with no epochs.
-Restoring a state and calling `next_prompts` yields exactly what the uninterrupted stream would.
-"""
+when file data is used): a file by suffix (`.jsonl` / `.ndjson` / `.json`, `.parquet` / `.pq`,
+`.csv`; `datasets.load_dataset` converts it once into a memory-mapped Arrow file), a
+`save_to_disk` folder (`DatasetDict`: split `train` for data.train_path, `test` or `validation`
+for data.val_path), or a hub dataset id (`jgrpo.hub.fetch`, same split rule). Python data (the
+`jgrpo.GRPOTrainer` API): a list of dicts or a `datasets.Dataset`.
+Nothing is read into a Python list: `Rows` indexes the Arrow table; null values in a required
+field are found up front with Arrow's null counts (`first_null`), before any model loads.
+Streams hand out examples with `next_prompts(n)` and carry a small JSON state: `RecordStream`
+(`{"kind": "records", "seed", "epoch", "offset", "num_records"}`: epoch e in
+`permutation(rng(seed, e))` order, or file order without data.shuffle) and `SyntheticStream`
+(`{"kind": "synthetic", "seed", "index"}`: example i from `rng(seed, i)`, no epochs).
+Restoring a state and calling `next_prompts` yields exactly what the uninterrupted stream would."""
 
 from __future__ import annotations
 
@@ -37,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jgrpo import hub
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, read_json
 
 Example = dict[str, Any]
 """One prompt's data: JSON-able, picklable; the fields are listed in `jgrpo.tasks`."""
@@ -137,13 +125,20 @@ def _pick_split(splits: Sequence[str], split: str, where: str, key: str) -> str:
 
 def _load_folder(path: Path, key: str, split: str):
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json(path / "dataset_dict.json", key).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ConfigError(
+                f"{key}: {str(path / 'dataset_dict.json')!r} has no 'splits' list of names"
+            )
         path = path / _pick_split(splits, split, f"HF DatasetDict {str(path)!r}", key)
     if not (path / "state.json").is_file():
         raise ConfigError(
             f"{key}: {str(path)!r} is a folder but not an HF datasets folder (no state.json or "
             "dataset_dict.json); use a .jsonl / .parquet / .csv file or Dataset.save_to_disk output"
         )
+    for name in ("state.json", "dataset_info.json"):  # load_from_disk would raise bare errors
+        if name == "state.json" or (path / name).is_file():
+            read_json(path / name, key)
     with _quiet_datasets() as datasets:
         try:
             return datasets.load_from_disk(str(path))
@@ -154,21 +149,31 @@ def _load_folder(path: Path, key: str, split: str):
             ) from None
 
 
-def _load_hub(repo_id: str, key: str, split: str):
-    folder = hub.snapshot(repo_id, repo_type="dataset")
+def _load_hub(repo_id: str, key: str, split: str, config: Optional[str]):
+    folder = hub.fetch(repo_id, "dataset", key)
     if folder is None:
         raise ConfigError(
             f"{key}: {repo_id!r} is neither a file or folder nor a dataset in the local "
-            "Hugging Face cache (download it first, e.g. `hf download --repo-type dataset "
-            f"{repo_id}`)"
+            "Hugging Face cache (HF_HUB_OFFLINE is set; download it first, e.g. `hf download "
+            f"--repo-type dataset {repo_id}`)"
         )
     if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
         return _load_folder(folder, key, split)
     with _quiet_datasets() as datasets:
         try:
-            splits = list(datasets.get_dataset_split_names(str(folder)))
+            configs = list(datasets.get_dataset_config_names(str(folder)))
+            if config is None and len(configs) > 1:
+                raise ConfigError(
+                    f"data.dataset_config: {key} {repo_id!r} has configs {configs}; choose one"
+                )
+            if config is not None and config not in configs:
+                raise ConfigError(
+                    f"data.dataset_config: {config!r} is not a config of {repo_id!r} ({key}); "
+                    f"it has {configs}"
+                )
+            splits = list(datasets.get_dataset_split_names(str(folder), config))
             chosen = _pick_split(splits, split, f"HF dataset {repo_id!r}", key)
-            return datasets.load_dataset(str(folder), split=chosen)
+            return datasets.load_dataset(str(folder), config, split=chosen)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -178,16 +183,16 @@ def _load_hub(repo_id: str, key: str, split: str):
             ) from None
 
 
-def load_table(spec: str, key: str, split: str = "train"):
-    """A `datasets.Dataset` of a file, datasets folder or cached hub dataset id; ConfigError
-    naming `key` on failure (missing, unreadable, empty)."""
+def load_table(spec: str, key: str, split: str = "train", config: Optional[str] = None):
+    """A `datasets.Dataset` of a file, datasets folder or hub dataset id (of config `config`,
+    data.dataset_config); ConfigError naming `key` on failure (missing, unreadable, empty)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         table = _load_folder(path, key, split)
     elif path.is_file():
         table = _load_file(path, key)
     elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
-        table = _load_hub(spec, key, split)
+        table = _load_hub(spec, key, split, config)
     else:
         raise ConfigError(f"{key}: {spec!r} does not exist")
     if len(table) == 0:
