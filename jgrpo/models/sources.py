@@ -77,7 +77,21 @@ def resolve_model_path(spec: str) -> Path:
     return folder if folder.is_dir() else hub.fetch(spec, "model", "model.path")
 
 
-def _check_hf_folder(spec: str) -> None:
+def check_reward_model_path(spec: str, key: str, max_length: int | None = None) -> Path:
+    """Pre-flight of a reward model (`key` = data.reward_functions[i]): `spec` is an HF folder
+    or a cached hub id holding a one-label sequence-classification model
+    (:func:`jgrpo.models.preflight.check_reward_model_folder`); returns its folder."""
+    from jgrpo.models.preflight import check_reward_model_folder
+
+    try:
+        folder = _check_hf_folder(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{key}.model: {str(e).removeprefix('model.path: ')}") from None
+    check_reward_model_folder(folder, key, max_length)
+    return folder
+
+
+def _check_hf_folder(spec: str) -> Path:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
     if not folder.is_dir() and hub.looks_like_repo_id(spec):
@@ -98,6 +112,7 @@ def _check_hf_folder(spec: str) -> None:
         raise ConfigError(
             f"model.path: {spec!r} has no model.safetensors or model.safetensors.index.json"
         )
+    return folder
 
 
 def smollm2_gguf() -> Path:
