@@ -39,11 +39,12 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, sharding, step
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, ConfigError, to_dict
-from jgrpo.metrics import MetricsLogger, NullLogger, plot_run, write_atomic
+from jgrpo.metrics import MetricsLogger, NullLogger, write_atomic
 from jgrpo.models import from_pretrained, model_options
 from jgrpo.models.adapters import attach_lora, join_lora, merge_lora
 from jgrpo.models.lora import spec_from_config
 from jgrpo.models.sources import check_model_path, resolve_model_path
+from jgrpo.plots import plot_run
 from jgrpo.rollout import (
     RolloutEngine,
     RolloutFailure,

@@ -1,4 +1,4 @@
-"""jgrpo.metrics: jsonl lines and key sets, resume truncation, TensorBoard, W&B, bar, plots."""
+"""jgrpo.metrics and jgrpo.plots: jsonl lines and key sets, resume, TensorBoard, W&B, bar, plots."""
 
 import json
 import math
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jgrpo.config import ConfigError, LoggingConfig
-from jgrpo.metrics import MetricsLogger, plot_run, read_metrics, truncate_metrics
+from jgrpo.metrics import MetricsLogger, read_metrics, truncate_metrics
+from jgrpo.plots import plot_run
 
 QUIET = LoggingConfig(tensorboard=False, wandb=False, progress_bar=False)
 
