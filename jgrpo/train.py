@@ -36,7 +36,7 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import compile_cache, distributed, sharding, step
+from jgrpo import compile_cache, distributed, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.metrics import MetricsLogger, NullLogger, write_atomic
@@ -66,7 +66,7 @@ class Trainer:
     """Everything a running GRPO job holds (built by `setup`)."""
 
     cfg: Config
-    setup: step.StepSetup
+    setup: step_setup.StepSetup
     """The built train step (mesh, graphdef, ref_params, frozen: the LoRA base or None,
     hparams, step_fn: aligned across processes). Its `state` is the one at `start_step`
     (donated by the first step); the live one is `state`."""
@@ -83,7 +83,7 @@ def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
     check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
     sharding.make_rules(cfg.mesh)
-    step.check_batch_split(cfg, jax.device_count())
+    step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
         from jgrpo.rollout.ray_backend import check_ray_address
 
@@ -121,7 +121,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     spec = spec_from_config(cfg.model.lora)
     if spec is not None:  # fresh adapters over the loaded base (a resume overwrites them)
         model = attach_lora(model, spec, jax.random.key(cfg.grpo.seed))
-    built = step.build_step(cfg, model)
+    built = step_setup.build_step(cfg, model)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     distributed.watch_checkpoints(checkpointer.directory)
