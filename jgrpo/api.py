@@ -1,27 +1,18 @@
 """The Python API for notebooks and scripts: `jgrpo.GRPOTrainer(...).train()`.
 
-    import jgrpo
-
-    def brevity(prompts, completions, **columns):          # TRL's reward signature
-        return [-len(c) / 100 for c in completions]
-
     trainer = jgrpo.GRPOTrainer(
         "configs/tiny.yaml",                               # a path, a dict or a jgrpo Config
-        train_dataset=[{"prompt": "Say hi"}, {"prompt": [{"role": "user", "content": "Hi"}]}],
+        train_dataset=[{"prompt": "Say hi"}],              # list of dicts or datasets.Dataset
         reward_funcs=brevity,                              # callables or "module:function"
         run_dir="runs/notebook",
         overrides=["data.task=prompts"],                   # dotted overrides, as on the CLI
     )
-    result = trainer.train()
-    result.history, result.metrics, result.model_dir      # model_dir = RUN_DIR/final/
+    result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`) and validates exactly like the CLI: the config (also
-a hand-built `Config`) goes through the same `from_dict` type checks and `validate` rules, with
-`reward_funcs` appended to data.reward_functions (weight 1, or `(function, weight)` pairs, or
-RewardFunctionConfig items) before the check. Python datasets replace data.train_path /
-data.val_path; a function defined in the notebook is sent to the reward process with
-cloudpickle (see `jgrpo.tasks.rewards`).
-"""
+It runs the CLI's loop (`jgrpo.train.run`) and validates exactly like the CLI: `reward_funcs`
+(weight 1, `(function, weight)` pairs or RewardFunctionConfig items) are appended to
+data.reward_functions before `from_dict` and `validate`; Python datasets replace
+data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle."""
 
 from __future__ import annotations
 

@@ -1,33 +1,18 @@
 """The rollout -> trainer batch: one typed definition of what a train step consumes.
 
-`TrainBatch` is a `flax.struct.dataclass` (a pytree: it passes through `jax.jit`, `jax.tree`
-and `jax.eval_shape` as its seven arrays). Per-token arrays are [B, T] and aligned with the
-tokens they score (`generation_logprobs[:, t]` is the sampler's logprob of `input_ids[:, t]`);
-per-row arrays are [B]. `FIELDS` holds every field's axes and dtype:
-
-  input_ids           [B, T] int32    left-padded prompt ++ completion, pad after the end
-  attention_mask      [B, T] float32  1 on real tokens (prompt and completion)
-  token_mask          [B, T] float32  1 on generated tokens (the stop token included), all
-                                      at columns >= rollout.prompt_bucket
-  generation_logprobs [B, T] float32  the sampler's logprob of each generated token, 0 elsewhere
-  rewards             [B]    float32  the scalar reward of each row
-  group_ids           [B]    int32    rows of one prompt share an id (the group of GRPO)
-  sample_mask         [B]    float32  1 = the row takes part in the loss
-
-API:
-- `TrainBatch(**arrays)`; `TrainBatch.from_mapping(d)` takes the fields of a larger dict (the
-  rollout engine's batch carries extra statistics) and checks shapes and dtypes.
-- `TrainBatch.abstract(rows, tokens, mesh=None)`: the batch of `jax.ShapeDtypeStruct`s (with
-  the batch sharding when a mesh is given) that inspect-step and compile-only tools lower on.
-- `batch.check_scored_from(first)`: rejects a generated token left of column `first` (the
-  train step scores columns from rollout.prompt_bucket on; the rollout engine never puts one
-  there).
-- `batch.shard(mesh)`: host (numpy) -> device arrays split over the mesh's batch axes through
-  `sharding.shard_batch` (`jax.make_array_from_process_local_data`: on several hosts, each
-  process passes its own rows and the result is the global batch).
-- `batch["input_ids"]`, `batch.keys()`, `batch.items()`, `batch.as_dict()`: mapping-style access,
-  which the step's internals and the losses use.
-"""
+`TrainBatch` is a `flax.struct.dataclass` (a pytree of its seven arrays); `FIELDS` holds each
+field's axes and dtype. Per-token arrays [B, T] are aligned with the tokens they score:
+  input_ids [B, T] int32 (left-padded prompt ++ completion, pad after the end);
+  attention_mask [B, T] float32 (1 on real tokens); token_mask [B, T] float32 (1 on generated
+  tokens, the stop token included, all at columns >= rollout.prompt_bucket);
+  generation_logprobs [B, T] float32 (the sampler's logprob of each generated token, else 0);
+  rewards [B] float32; group_ids [B] int32 (rows of one prompt share an id); sample_mask [B]
+  float32 (1 = the row takes part in the loss).
+API: `TrainBatch(**arrays)`, `from_mapping(d)` (the fields of a larger dict, checked);
+`abstract(rows, tokens, mesh=None)` (ShapeDtypeStructs for lowering); `check_scored_from(first)`
+(rejects a generated token left of column `first`); `shard(mesh)` (host -> device over the
+batch axes via `sharding.shard_batch`, process-local rows on a pod); mapping-style access
+(`batch["input_ids"]`, `keys()`, `items()`, `as_dict()`)."""
 
 from __future__ import annotations
 

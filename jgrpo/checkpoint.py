@@ -1,61 +1,17 @@
 """Orbax checkpoints of the whole run state: save every N steps, keep the last K, resume.
 
-A checkpoint holds one pytree ``state`` of arrays (params as an ``nnx.State`` or a dict, optax
-state, the step, a PRNG key; sharded or not) and one JSON-able ``meta`` dict (data-stream
-position, resolved config, metrics position, ...).
-
-On-disk layout (orbax 0.12 ``CheckpointManager``, local filesystem)::
-
-    DIRECTORY/
-      <step>/                     # e.g. 200/; while being written: 200.orbax-checkpoint-tmp
-        _CHECKPOINT_METADATA      # orbax: init and commit timestamps
-        commit_success.txt        # orbax: written just before the rename that finalizes
-        state/                    # StandardSave of {"leaf_00000": array, ...}, ocdbt
-        meta/metadata             # the caller's meta dict, JSON
-        structure/metadata        # JSON: keystr path of every leaf, PRNG-key impls
-
-Why the state is saved as a flat dict of numbered leaves: orbax rebuilds containers from what
-it finds on disk (a tuple or a NamedTuple of optax can come back as a list, an ``nnx.State``
-as a dict). Here the tree structure always comes from the caller's ``target``: its leaves are
-matched position by position to the saved ones, after checking that the ``keystr`` paths of
-the two trees agree, so a restore either returns exactly ``target``'s structure or raises.
-Typed PRNG keys are stored as ``jax.random.key_data`` and re-wrapped with the impl recorded at
-save time.
-
-Completeness: orbax writes a step into ``<step>.orbax-checkpoint-tmp``, writes
-``commit_success.txt`` and renames the folder to ``<step>`` (checked in orbax 0.12.8,
-``AtomicRenameTemporaryPath.finalize``). :func:`complete_steps` does not rely on the rename
-alone: a step counts only if its folder is named by a bare integer and it and every item
-folder hold ``commit_success.txt`` and ``_CHECKPOINT_METADATA`` records a commit timestamp.
-So a process killed mid-save (a tmp folder), a step folder copied half-way by hand or by a
-non-atomic sync, or anything else in the folder is never picked by :meth:`latest_step`.
-
-Integrity: after orbax finalizes a step, :meth:`Checkpointer.save` writes
-``<step>/jgrpo_checksums.json`` (the SHA-256 and size of every file of the step).
-:meth:`Checkpointer.verify` recomputes them, so flipped bytes, a truncated or deleted file and
-damaged metadata are caught before orbax reads anything. Why our own checksum and not orbax's
-verification: orbax 0.12 (tensorstore / ocdbt) has no end-to-end content check: a flipped byte
-in an uncompressed chunk restores as a silently wrong weight, a damaged manifest can crash the
-process during interpreter shutdown. A step without the file (written by an older jgrpo, or
-killed between orbax's commit and the checksum write) is accepted unverified, since orbax's
-commit markers say it is complete. :meth:`Checkpointer.restore_latest_intact` walks from the
-newest step down, says in one line which steps it skipped and why, and resumes from the newest
-intact one; damaged steps newer than it are renamed to hidden ``.<step>.damaged-*`` folders
-(deleted once a newer save lands), so saving that step again replaces it; a save onto an
-existing damaged or incomplete step does the same.
-
-Pods: every process calls save and restore (orbax 0.12 coordinates them through
-jax.distributed: each process writes the shards it owns, process 0 writes the metadata and
-finalizes the step; the folder must be on a filesystem every host sees). Process 0 alone
-writes the checksum files and renames damaged steps aside (then every process meets at a
-barrier). Restoring reads the shards each process's target sharding needs, so a checkpoint
-written by 1 process x 8 devices restores onto 2 processes x 4 devices and back (same leaves
-and shapes, any mesh).
-
-Saving is synchronous by default (``async_save=False``): :meth:`Checkpointer.save` returns when
-the step is on disk. With ``async_save=True`` it returns once the arrays are copied to host
-(so donating ``state`` to the next step is safe) and the write finishes in the background; the
-next ``save``, :meth:`Checkpointer.wait` and :meth:`Checkpointer.close` wait for it.
+A checkpoint holds one pytree `state` of arrays (params, optax state, the step, a PRNG key;
+sharded or not) and one JSON-able `meta` dict, in DIRECTORY/<step>/ (orbax 0.12
+CheckpointManager: items state/, meta/, structure/, plus orbax's commit markers and our
+jgrpo_checksums.json). Contract: a restore returns exactly `target`'s tree structure or raises
+(:class:`CheckpointMismatch`); a step counts only when complete (:func:`is_complete_step`);
+:meth:`Checkpointer.verify` catches flipped, truncated or missing bytes (:func:`write_checksums`)
+and :meth:`Checkpointer.restore_latest_intact` resumes from the newest intact step, setting
+damaged newer ones aside as hidden `.<step>.damaged-*` folders.
+Pods: every process calls save and restore (each writes and reads the shards it owns; the
+folder must be on a filesystem every host sees; any mesh restores any other); process 0 alone
+writes checksums and sets steps aside. Saving is synchronous unless `async_save`: then save
+returns once the arrays are on host and the next save, wait or close finishes the write.
 """
 
 from __future__ import annotations
@@ -76,6 +32,7 @@ import orbax.checkpoint as ocp
 
 from jgrpo import distributed
 from jgrpo.config import ConfigError
+from jgrpo.files import write_atomic
 
 _ITEMS = ("state", "meta", "structure")
 _COMMIT_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCESS_FILE
@@ -107,17 +64,17 @@ def _step_files(step_dir: Path) -> list[Path]:
 
 
 def write_checksums(step_dir: str | Path) -> None:
-    """Record size and SHA-256 of every file of a finalized step folder (atomic write)."""
+    """Record size and SHA-256 of every file of a finalized step folder (atomic write).
+
+    Our own checksum because orbax 0.12 (tensorstore / ocdbt) has no end-to-end content check:
+    a flipped byte in an uncompressed chunk restores as a silently wrong weight. A step without
+    the file (older jgrpo, or killed between orbax's commit and this write) is accepted
+    unverified, since orbax's commit markers say it is complete."""
     step_dir = Path(step_dir)
     files = {
         str(p.relative_to(step_dir)): [p.stat().st_size, _digest(p)] for p in _step_files(step_dir)
     }
-    tmp = step_dir / f".{_CHECKSUM_FILE}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"algorithm": "sha256", "files": files}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, step_dir / _CHECKSUM_FILE)
+    write_atomic(step_dir / _CHECKSUM_FILE, json.dumps({"algorithm": "sha256", "files": files}))
 
 
 def verify_step(step_dir: str | Path) -> Optional[str]:
@@ -155,13 +112,23 @@ def _is_key(x: Any) -> bool:
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """(keystr paths, leaves, treedef). The state is saved as a flat dict of numbered leaves
+    because orbax rebuilds containers from what it finds on disk (an optax NamedTuple can come
+    back as a list, an nnx.State as a dict): the structure always comes from the caller's
+    target, matched leaf by leaf after checking that the paths agree. Typed PRNG keys are
+    stored as key_data and re-wrapped with the impl recorded at save time."""
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [jax.tree_util.keystr(p) for p, _ in leaves_with_paths]
     return paths, [leaf for _, leaf in leaves_with_paths], treedef
 
 
 def is_complete_step(path: str | Path) -> bool:
-    """True if `path` is a finalized checkpoint step folder written by :class:`Checkpointer`."""
+    """True if `path` is a finalized checkpoint step folder written by :class:`Checkpointer`.
+
+    orbax writes <step>.orbax-checkpoint-tmp, then commit_success.txt, then renames it to
+    <step>; this does not rely on the rename alone: the name is a bare integer, the step and
+    every item hold commit_success.txt and _CHECKPOINT_METADATA records a commit timestamp, so
+    a killed save or a half-copied folder never counts."""
     path = Path(path)
     if not (_STEP_NAME.match(path.name) and path.is_dir() and not path.is_symlink()):
         return False

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--fresh", action="store_true", help="delete --run-dir contents first")
     train.add_argument("--show-config", action="store_true", help="print the resolved config")
-    pod = train.add_argument_group("multi-host pod (one process per host; see README)")
+    pod = train.add_argument_group("multi-host pod (one process per host; see docs/pods.md)")
     pod.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     pod.add_argument("--num-processes", type=int, metavar="N", help="processes in the pod")
     pod.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
@@ -169,7 +169,10 @@ def _dispatch(args) -> int:
         if args.checkpoint is not None:
             check_checkpoint_source(args.checkpoint, cfg)
 
+        from jgrpo.evaluation import format_table
+
         result = evaluate(cfg, args.checkpoint)
+        print(format_table({k: v for k, v in result.items() if k.startswith("val/")}))
         print(json.dumps(result))
         return 0
     return _train(cfg, args)

@@ -1,7 +1,6 @@
 """JAX's persistent compilation cache, on by default, under the jgrpo cache.
 
-Compiling the train step and the sampler is most of a short run's wall time on a CPU (the
-tiny config's first step compiles for seconds; its later steps take milliseconds). With the
+Compiling the train step and the sampler is most of a short run's wall time on a CPU. With the
 cache on, a second run of the same programs (same shapes, flags, devices and jax version)
 loads the compiled executables from disk instead of compiling them again.
 
@@ -11,12 +10,9 @@ Where it lives, first match wins:
                                        `jax.config.update("jax_compilation_cache_dir", ...)`
     <jgrpo cache>/xla/                 the default; <jgrpo cache> is $JGRPO_CACHE or ~/.cache/jgrpo
 
-The folder is capped at `MAX_BYTES` (least recently used entries go first) unless
-`jax_compilation_cache_max_size` was set. jax caches only programs whose compile took at
-least `jax_persistent_cache_min_compile_time_secs` (its default of 1 s is kept: quicker ones
-cost about as much to load as to compile). The cache is trusted code: do not point it at a
-folder that others can write.
-"""
+The folder is capped at `MAX_BYTES` (least recently used first) unless
+`jax_compilation_cache_max_size` was set; jax's `jax_persistent_cache_min_compile_time_secs`
+default is kept. The cache is trusted code: do not point it at a folder that others can write."""
 
 from __future__ import annotations
 

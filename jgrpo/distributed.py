@@ -1,50 +1,17 @@
 """Multi-host pods: which process this is, jax.distributed start-up, host gathers, dead peers.
 
-One `jgrpo train` process runs per host (JAX multi-controller); every process runs the same
-`train.run(config)` over the global mesh. This file owns everything about the processes
-themselves; the mesh layout over them lives in sharding.py, the per-host slicing of a step's
-prompts in rollout/local.py.
-
-Where the process spec comes from (:func:`resolve_spec`, first match wins):
-  1. the CLI flags `--coordinator HOST:PORT --num-processes N --process-id I`;
-  2. the environment `JGRPO_COORDINATOR`, `JGRPO_NUM_PROCESSES`, `JGRPO_PROCESS_ID`;
-  3. a cluster `jax.distributed.initialize()` detects by itself (its `ClusterEnv`s): SLURM
-     with more than one task (`SLURM_NTASKS` > 1; the coordinator is the first node of the
-     step, port derived from the job id), Open MPI (`OMPI_COMM_WORLD_SIZE` > 1), or
-     `JAX_COORDINATOR_ADDRESS` set (with JAX's own variables for the rest);
-  4. otherwise a single process: nothing is initialised, the code path is the laptop's.
-A partial spec (a coordinator without a process count, ...) is a `ConfigError`.
-
-:func:`initialize` must run before anything touches a device (the CLI validates the config
-first, which needs no jax, then calls it). On CPU it selects gloo collectives
-(`jax_cpu_collectives_implementation`, also jax 0.10's default), so a pod of CPU processes
-(the tests: two processes x 4 fake devices on one machine) runs the very program a GPU pod runs.
-
-Dead peers. jax.distributed's coordination service already aborts every process some time
-after a peer stops heartbeating (`heartbeat_timeout_seconds`), but with a C++ check failure,
-after 100 s by default, and a process blocked in a collective whose peer is gone may never see
-a Python exception. So :func:`initialize` also starts a watchdog thread: every second each
-process bumps its counter in the coordination service's key-value store and reads its peers';
-a peer whose counter has not moved for `peer_timeout_s` (or a coordinator that no longer
-answers: process 0 is lost) makes the watchdog print one line naming the lost process and its
-host, and the newest complete checkpoint to `--resume` from, and end this process with
-`os._exit(EXIT_LOST_PEER)` (an exit from a thread; a hung collective cannot be interrupted any
-other way). jax's own heartbeat timeout is set to three times `peer_timeout_s`, so it stays the
-backstop. A process that finishes normally marks itself done first (:func:`finish`), so its
-peers do not take its silence for a death. Process 0 hosts the coordinator: when it dies,
-jax.distributed's error polling ends every other process at once (a C++ abort with its own
-message, exit status 134) before the watchdog can speak. A dead host's state cannot be saved
-collectively: the checkpoint to resume from is the last periodic one
-(`checkpoint.save_period`).
-
-Collective start-up (:func:`align_first_runs`): the train step's first run on a pod is
-preceded by an ahead-of-time compile and a barrier on every process (gloo's 30 s limit on
-building a communicator would otherwise fail a host that compiled faster than its peer).
-
-Host gathers (:func:`allgather`, :func:`barrier`): small per-host numpy values (rollout
-statistics rows, prompt widths, validation rows) go through the same key-value store, in
-process order. They wait for a slow peer as long as the watchdog sees it alive (a first
-compile can take minutes) and fail with :class:`PeerLost` when the coordinator is gone.
+One `jgrpo train` process runs per host (JAX multi-controller), every one running the same
+`train.run(config)` over the global mesh. This file owns the processes themselves (the mesh
+over them is sharding.py's, the per-host slice of a step's prompts rollout/local.py's):
+:func:`resolve_spec` (CLI flags, else JGRPO_* variables, else a cluster jax detects: SLURM,
+Open MPI, JAX_COORDINATOR_ADDRESS; else one process), :func:`initialize` (before anything
+touches a device; gloo collectives on CPU, so a pod of CPU processes runs a GPU pod's program),
+a watchdog that ends this process with EXIT_LOST_PEER and one line naming the lost peer and the
+checkpoint to --resume from (:func:`_watch`), :func:`align_first_runs` (every process starts a
+new program together) and :func:`allgather` / :func:`barrier` (small host values through the
+coordinator's key-value store, in process order; :class:`PeerLost` when it is gone).
+It imports nothing of jgrpo but config: what it needs from checkpoints is passed in
+(:func:`watch_checkpoints`).
 """
 
 from __future__ import annotations
@@ -56,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Optional
 
@@ -111,7 +78,13 @@ def resolve_spec(
     peer_timeout_s: Optional[float] = None,
     environ: Optional[Mapping[str, str]] = None,
 ) -> Optional[ProcessSpec]:
-    """The pod this process belongs to, or None for a single process (see module docstring)."""
+    """The pod this process belongs to, or None for a single process; first match wins:
+    1. the CLI flags `--coordinator HOST:PORT --num-processes N --process-id I`;
+    2. the environment `JGRPO_COORDINATOR`, `JGRPO_NUM_PROCESSES`, `JGRPO_PROCESS_ID`;
+    3. a cluster `jax.distributed.initialize()` detects by itself: SLURM with more than one
+       task (the coordinator is the step's first node, port derived from the job id), Open MPI
+       (`OMPI_COMM_WORLD_SIZE` > 1), or `JAX_COORDINATOR_ADDRESS` set;
+    4. otherwise a single process (None). A partial spec is a ConfigError."""
     env = os.environ if environ is None else environ
     if peer_timeout_s is None:
         raw = env.get(ENV_PEER_TIMEOUT)
@@ -182,6 +155,7 @@ class _Pod:
         self.round = 0
         self.hosts: dict[int, str] = {}
         self.checkpoint_dir: Optional[Path] = None
+        self.latest_step: Callable[[Path], Optional[int]] = lambda directory: None
         self.stop = threading.Event()
         self.watchdog: Optional[threading.Thread] = None
 
@@ -247,10 +221,12 @@ def process_slice(n: int) -> tuple[int, int]:
     return bounds[i], bounds[i + 1]
 
 
-def watch_checkpoints(directory: str | Path) -> None:
-    """Name this folder's newest complete checkpoint in a lost-peer message."""
+def watch_checkpoints(directory: str | Path, latest_step: Callable[[Path], Optional[int]]) -> None:
+    """Name this folder's newest complete checkpoint in a lost-peer message; `latest_step`
+    (jgrpo.checkpoint.latest_complete_step) finds it, called only when a peer is lost."""
     if _POD is not None:
         _POD.checkpoint_dir = Path(directory)
+        _POD.latest_step = latest_step
 
 
 def finish() -> None:
@@ -383,9 +359,7 @@ def allgather_rows(rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _latest_checkpoint(pod: _Pod) -> str:
     if pod.checkpoint_dir is None:
         return "no checkpoint folder"
-    from jgrpo.checkpoint import latest_complete_step
-
-    step = latest_complete_step(pod.checkpoint_dir)
+    step = pod.latest_step(pod.checkpoint_dir)
     return "no complete checkpoint yet" if step is None else f"latest complete checkpoint: {step}"
 
 
@@ -402,7 +376,17 @@ def _die(pod: _Pod, lost: int, why: str) -> None:
 
 
 def _watch(pod: _Pod, interval_s: float = 1.0) -> None:
-    """Heartbeat our counter; end the process when a peer's counter stops moving."""
+    """Heartbeat our counter; end the process when a peer's counter stops moving.
+
+    jax's coordination service aborts a pod whose peer stopped heartbeating only with a C++
+    check failure, and a process blocked in a collective with a dead peer may never see a
+    Python exception. So every `interval_s` each process bumps its counter in the key-value
+    store and reads its peers'; one not moving for peer_timeout_s (or a coordinator that no
+    longer answers) ends this process with `os._exit(EXIT_LOST_PEER)` (a hung collective
+    cannot be interrupted any other way); jax's own heartbeat timeout (3 x peer_timeout_s) stays
+    the backstop. A process that finishes marks itself done first (:func:`finish`). When
+    process 0 (the coordinator) dies, jax's error polling usually ends the others first (exit
+    134). A dead host's state cannot be saved: resume from the last periodic checkpoint."""
     timeout = pod.spec.peer_timeout_s
     peers = [i for i in range(pod.num_processes) if i != pod.process_id]
     last_seen = {i: (None, time.monotonic()) for i in peers}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jgrpo import compile_cache
 from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
-from jgrpo.models.sources import atomic_folder, resolve_model_path
+from jgrpo.files import atomic_folder
 
 # jax, flax and orbax are imported inside the functions: `check_checkpoint_source` (the CLI's
 # pre-flight of export and eval) rejects a wrong path before they load.
@@ -67,9 +67,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
 
     from jgrpo import sharding, step_setup
     from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
-    from jgrpo.models import Transformer, from_pretrained, model_options, read_hf_config
+    from jgrpo.models import load_policy, policy_folder
     from jgrpo.models.adapters import join_lora
-    from jgrpo.models.lora import with_lora
 
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
@@ -80,9 +79,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
             reason = checkpointer.verify(ckpt_step)
             if reason is not None:
                 raise CheckpointError(f"checkpoint {str(path)!r} is damaged: {reason}")
-        folder = resolve_model_path(cfg.model.path)
-        model_cfg = with_lora(read_hf_config(folder, **model_options(cfg.model)), cfg.model.lora)
-        abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+        folder = policy_folder(cfg.model)
+        abstract = load_policy(cfg.model, folder, abstract=True)
         one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, tensor=1)
         mesh = sharding.make_mesh(one, jax.devices()[:1])
         built = step_setup.build_step(cfg, abstract, mesh=mesh)
@@ -99,9 +97,9 @@ def load_checkpoint_model(path, cfg: Config | None = None):
                 f"checkpoint {str(path)!r} does not fit model.path {cfg.model.path!r} ({e})"
             ) from None
     base = None
-    if model_cfg.lora is not None:
+    if abstract.cfg.lora is not None:
         # LoRA: the checkpoint holds the adapters; the base is re-read from model.path
-        base = nnx.to_pure_dict(nnx.state(from_pretrained(folder, **model_options(cfg.model))))
+        base = nnx.to_pure_dict(nnx.state(load_policy(cfg.model, folder, adapters=False)))
     return join_lora(built.graphdef, state.params, base), folder, cfg
 
 
@@ -128,11 +126,13 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
 
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
-    """Held-out accuracy (greedy or pass@k) of a checkpoint, or of cfg.model.path."""
+    """Every held-out set's metrics (`jgrpo.evaluation`) of a checkpoint, or of cfg.model.path
+    (any HF folder or model source)."""
     from flax import nnx
 
-    from jgrpo.models import from_pretrained, model_options
-    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer, validation_metrics
+    from jgrpo.evaluation import validate_all
+    from jgrpo.models import load_policy, policy_folder
+    from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer
     from jgrpo.tasks import make_task
 
     compile_cache.enable()
@@ -140,13 +140,14 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     if checkpoint is not None:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)
     else:
-        folder = resolve_model_path(cfg.model.path)
-        model = from_pretrained(folder, **model_options(cfg.model))
+        folder = policy_folder(cfg.model)
+        model = load_policy(cfg.model, folder, adapters=False)
     graphdef, state = nnx.split(model)
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     backend.publish(nnx.to_pure_dict(state), 0)
-    k = cfg.grpo.val_pass_k
-    result = backend.evaluate(task.val, 0, pass_k=k)
-    metrics = validation_metrics(result, len(task.val), k)
-    return metrics | {"num_examples": len(task.val), "pass_k": k}
+    try:
+        metrics = validate_all(cfg, backend, task, 0)
+    finally:
+        task.close()
+    return metrics | {"num_examples": len(task.val), "pass_k": cfg.grpo.val_pass_k}

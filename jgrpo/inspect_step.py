@@ -30,27 +30,14 @@ from __future__ import annotations
 import math
 import re
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jgrpo import compile_cache, step, step_setup
 from jgrpo.config import Config
-from jgrpo.models import Transformer, config_from_hf, model_options
-from jgrpo.models.lora import adapter_layout, with_lora
-from jgrpo.models.preflight import read_hf_config
-from jgrpo.models.sources import resolve_model_path
-
-
-def model_config_of(cfg: Config):
-    """The architecture of model.path; a folder holding only config.json is enough here."""
-    folder = Path(cfg.model.path)
-    if not (folder / "config.json").is_file():
-        folder = resolve_model_path(cfg.model.path)
-    model_cfg = config_from_hf(read_hf_config(folder), **model_options(cfg.model))
-    return with_lora(model_cfg, cfg.model.lora)
+from jgrpo.models import load_policy
+from jgrpo.models.lora import adapter_layout
 
 
 def forwards_in_hlo(hlo_text: str) -> list[str]:
@@ -225,8 +212,8 @@ def _count(tree) -> int:
 def inspect_step(cfg: Config, compile: bool = True) -> dict:
     start = time.perf_counter()
     compile_cache.enable()
-    model_cfg = model_config_of(cfg)
-    abstract_model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    abstract_model = load_policy(cfg.model, abstract=True)  # config.json alone is enough
+    model_cfg = abstract_model.cfg
     step_setup.check_batch_split(cfg, jax.device_count())
     built = step_setup.build_step(cfg, abstract_model)
     state = built.state

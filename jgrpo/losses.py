@@ -1,41 +1,18 @@
 """GRPO losses in pure jnp: token logprobs, advantages, the clipped policy loss, KL, IS weights.
 
-Owns the numbers that docs/losses.md writes out: the ratio, the surrogate and its aggregations,
-the importance-sampling correction, the KL penalty to the reference, the advantages and the
-loss-side metrics. Nothing here holds state or imports flax/optax; every function is jittable.
-The train step (jgrpo/step.py) calls :func:`token_logprobs`, :func:`policy_loss`,
-:func:`combine_metrics`, :func:`seq_error_metrics`, :func:`kl_in_reward` and
-:func:`compute_token_advantages`; :func:`compute_advantages` is the per-row form.
-
-Shape legend: ``_b`` batch rows, ``_t`` tokens (T = the static padded length), ``_v`` vocab.
-Per-token arrays are aligned with the tokens they score: ``lp_bt[:, t]`` is
-log p(tokens_bt[:, t] | tokens before it). Symbols: lp current, lo prev ("old"), lg sampler
-(generation), lr reference logprobs; A advantages; tm token mask, sm sample mask, m = tm * sm;
-N_tok, N_seq the GLOBAL counts of the optimizer step (so microbatch losses and metrics add up).
-
-Structural vs traced: inside the jitted step the float fields of LossConfig are traced scalars.
-Python branches here look only at bool/str/int fields, at None-ness of Optional fields and at
-which keys `batch` holds; never at a float value.
-
-Where this deliberately differs from NeMo-RL (ClippedPGLossFn, calculate_kl, the advantage
-estimators at its 2026-08 HEAD; docs/losses.md says why):
-- Groups come from explicit group ids (NeMo: equal prompt tokens, which merges duplicate
-  prompts); any int32 ids, id < 0 marks a padding row that holds no sample.
-- Triviality is decided by exact float32 equality of the group's rewards (NeMo: std > 0), and
-  a group with fewer than 2 samples gets A = 0 (NeMo: baseline = reward, same result).
-- seq_sum_norm divides by the run's generation budget (LossConfig.generation_budget).
-- use_kl_in_reward clamps the reward KL with the configured kl_*_clamp_value (NeMo: its
-  calculate_kl defaults 20 / 10, whatever the config says).
-- prev_logprobs absent from `batch` is the same as force_on_policy_ratio: lo := sg(lp)
-  everywhere (ratio 1, unclipped, gradient of lp kept); generation_logprobs absent: lg := lo,
-  hence IS weight 1 and healthy placeholders.
-- Masked positions of every per-token input are replaced before any exp/log, so garbage in
-  padding can neither leak into values nor produce nan gradients (double-where rule).
-Matching NeMo exactly: the KL weight exp(lp - sg(lp)) (or exp(lp - lg) with the on-policy
-approximation) keeps its gradient and the output clamp acts on the weighted value; tis clamps
-to [min or 0, max]; GSPO uses a per-row IS weight exp(sum_t (lo - lg) m); the leave-one-out
-baseline normalises by the leave-one-out std; group statistics count sample-masked rows.
-"""
+Owns the numbers that docs/losses.md writes out (its last section lists every deliberate
+difference from NeMo-RL): the ratio, the surrogate and its aggregations, the importance-sampling
+correction, the KL penalty, the advantages and the loss-side metrics. Nothing here holds state
+or imports flax/optax; every function is jittable. The train step calls `token_logprobs`,
+`policy_loss`, `combine_metrics`, `seq_error_metrics`, `kl_in_reward` and
+`compute_token_advantages`; `compute_advantages` is the per-row form.
+Shape legend: ``_b`` batch rows, ``_t`` tokens, ``_v`` vocab; ``lp_bt[:, t]`` is
+log p(tokens_bt[:, t] | tokens before it). Symbols: lp current, lo prev, lg sampler, lr
+reference logprobs; A advantages; tm token mask, sm sample mask, m = tm * sm; N_tok, N_seq the
+GLOBAL counts of the optimizer step. Inside the jitted step float LossConfig fields are traced:
+Python branches look only at bool/str/int fields, None-ness and which keys `batch` holds.
+Absent prev_logprobs means lo := sg(lp); absent generation_logprobs means lg := lo. Masked
+positions are replaced before any exp/log (no nan gradients from padding)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jgrpo.config import ConfigError, LoggingConfig
+from jgrpo.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -93,21 +93,6 @@ def read_metrics(run_dir_or_file: str | Path) -> list[dict]:
 def _format_line(step: int, values: Mapping[str, Optional[float]]) -> str:
     row = {"step": step, **{k: values[k] for k in sorted(values)}}
     return json.dumps(row, allow_nan=False) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` at once (a temporary beside it, fsynced, then renamed): a
-    reader or a kill at any moment sees the old file or the new one, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def truncate_metrics(run_dir_or_file: str | Path, last_step: int) -> list[dict]:

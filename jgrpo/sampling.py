@@ -1,86 +1,18 @@
 """The sampler: jitted prefill + decode loop over a preallocated KV cache, generation logprobs.
 
-Public API::
+Owns `SamplingParams` (frozen; `from_rollout_config()`), `generate(model | (graphdef, state),
+prompts, params, key, first_row=0) -> Generation` (numpy out), the jitted core
+`generate_padded`, host-side `pad_prompts`, `filter_logits` (top-k then top-p, on
+temperature-scaled logits) and `compile_count()`.
 
-    SamplingParams(max_new_tokens, temperature, top_p, top_k, stop_token_ids, pad_id,
-                   prompt_bucket, ignore_eos, attention_chunk)        frozen; from_rollout_config()
-    generate(model | (graphdef, state), prompts: list[list[int]], params, key, first_row=0)
-        -> Generation
-    pad_prompts(prompts, bucket, pad_id) -> (prompt_ids_bp, prompt_lengths_b)    host, numpy
-    generate_padded(model, prompt_ids_bp, prompt_lengths_b, key, temperature, top_p, row_ids_b,
-                    *, spec: DecodeSpec) -> dict of device arrays    the jitted core
-    filter_logits(scaled_bv, top_p, top_k) -> scaled_bv with filtered entries at -inf
-    compile_count() -> int          executables compiled so far by the core (for tests/metrics)
-
-What one `generate` call does: prompts are left-padded to P = ceil(max len / prompt_bucket) *
-prompt_bucket; the jitted core takes the model as a pytree argument (an NNX module flattens to
-its parameter arrays in ~15 us, 10x cheaper than `nnx.split`; a (graphdef, state) pair is merged
-first: the trainer's own parameter arrays, sharded or not: nothing is copied to switch from
-training to generating), takes the layer weights in inference layout once
-(`Transformer.layer_weights`: q|k|v and gate|up fused, one set of arrays per layer for the
-unrolled decode step; a transient copy of the layer weights for the duration of the call, like
-the KV cache), prefills the P prompt slots of a cache of P + N - 1 slots (rounded up to a
-multiple of 16) in one forward (logits of the last position only), samples token 0, then runs
-`lax.while_loop` decode steps: forward the previous token into its cache slot, sample the next.
-The loop exits as soon as every row has stopped, so `num_decode_steps` is max(lengths) - 1 when
-every row stops, N - 1 otherwise. Nothing returns to the host per token. The cache lives only
-inside the program: the while-loop carry is updated in place by XLA
-(`Transformer.decode_step` writes one slot per layer with dynamic_update_slice), so there is no
-donation to arrange. The decode loop is split into segments of `attention_chunk` steps (at most
-8 segments), each a while loop whose attention reads only the cache slots that can be filled by
-then (P + end of segment, rounded up to 16) instead of the whole cache.
-
-Precision and platforms: the sampler computes in the model's compute dtype (cfg.dtype; the
-embedding, final norm and LM head are cast once per call, the layer weights where they are
-taken, when the parameters are stored in another dtype, e.g. float32 master weights), keeps the
-KV cache in it, and returns float32 logits-derived values. Its kernels (Gumbel noise, argmax,
-attention, cache layout) follow `model.cfg.kernels` (`jgrpo.models.kernels`: the XLA:CPU-tuned
-path on CPU, jax.random / jnp / jax.nn.dot_product_attention on GPU/TPU). The core compiles
-with `kernels.COMPILER_OPTIONS` (bf16 rounded after every op as written): a train step
-compiled with the same options computes the same logprobs (bf16 token_mult_prob_error
-1.0000001 on the test model, 1.011 without).
-
-Token i of row b sits at cache slot P + i and position prompt_len_b + i (left padding: the
-prompt fills slots [P - prompt_len_b, P)); the trainer's forward over the left-padded prompt +
-completion with `positions = cumsum(mask) - 1` sees the same positions.
-
-Outputs (numpy, `Generation`): tokens [B, N] (the stop token included, pad_id after it),
-lengths [B] (tokens up to and including the stop token), truncated [B] (N tokens, no stop),
-and per-token logprobs aligned with tokens (0 after the end):
-- `logprobs`: log_softmax(logits / temperature)[token], the temperature-scaled distribution
-  BEFORE top-k / top-p filtering. This is what the trainer's forward reproduces (docs/losses.md:
-  training logits are divided by the sampling temperature), so it is the `lg` of the loss.
-  With top-k/top-p on, the token was actually drawn from the filtered distribution, so `lg`
-  slightly overstates its surprise relative to the sampler (the usual vLLM/NeMo convention).
-- `filtered_logprobs`: log_softmax(filter_logits(logits / temperature))[token], the log-prob
-  under the renormalised filtered distribution the token was drawn from (= `logprobs` when no
-  filter is active). Reproduce it in a trainer with the same `filter_logits`.
-- temperature 0 (greedy): token = argmax(logits); `logprobs` = log_softmax(logits)[token]
-  (temperature taken as 1), `filtered_logprobs` = 0 (a point mass).
-
-Filtering (on temperature-scaled logits, transformers' order: top-k, then top-p on what
-top-k kept): top-k keeps entries >= the k-th largest; top-p keeps the shortest prefix of the
-descending order whose mass reaches top_p (an entry is kept while the mass before it is
-< top_p; the top entry always). Both are thresholds on the logit value, so exact ties at the
-threshold are all kept.
-
-Compiles: one executable per (model config, batch size B, padded prompt length P, DecodeSpec:
-max_new_tokens, greedy (temperature == 0), top_k, nucleus (top_p < 1), stop ids, pad id,
-attention_chunk) and parameter shardings. The values of temperature and top_p are traced
-scalars (changing them within a mode never recompiles), and the key is an argument. A 100-step
-run with fixed rollout settings compiles once per distinct (B, P) it meets: the training batch
-(P x G rows) times the number of prompt buckets its prompts span, plus the same for the
-validation batch (greedy); with prompts shorter than one bucket (the built-in tasks at
-prompt_bucket 32/64) that is 2
-(train + validation), and never more than 2 x ceil(longest prompt / prompt_bucket).
-
-Determinism: the draw of token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so a
-row's draws do not depend on the other rows of its batch; for a fixed key, batch and
-parameters the output is identical across calls (and across meshes up to float reduction
-order: sharded and unsharded parameters give the same tokens in the tests). Both kernel paths
-draw the same Gumbel bits and break argmax ties alike, so a key gives the same tokens on either
-path up to float rounding of the logits (tested).
-"""
+Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
+cache slot P + i and position prompt_len_b + i, the positions the trainer's forward gives it.
+`Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`);
+`filtered_logprobs` are under the filtered distribution the token was drawn from. The draw of
+token i of row b uses `fold_in(fold_in(key, first_row + b), i)`, so rows do not depend on their
+batch. One executable per (B, P, DecodeSpec) and shardings; temperature and top_p are traced.
+Kernels follow `model.cfg.kernels`; the core compiles with `kernels.COMPILER_OPTIONS`.
+docs/sampler.md describes the loop, outputs, compiles and determinism in full."""
 
 from __future__ import annotations
 
@@ -98,8 +30,8 @@ from jgrpo.models.kernels import KernelPath, resolve_kernels
 from jgrpo.models.transformer import Transformer
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
-_SLOT_ALIGN = 16  # cache / attended lengths rounded up to this: XLA:CPU's attention dots over
-# 64 slots run ~20% faster per decode step than over 63 (one AVX-512 vector is 16 floats)
+_SLOT_ALIGN = 16  # cache / attended lengths rounded up to this: XLA:CPU's attention dots are
+# faster over whole vectors of slots (one AVX-512 vector is 16 floats; docs/performance.md)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -479,7 +411,7 @@ def generate(
         np.arange(first_row, first_row + len(prompts), dtype=np.int32),
         spec=spec,
     )
-    out = {name: np.asarray(x) for name, x in out.items()}  # waits; 5x cheaper than device_get
+    out = {name: np.asarray(x) for name, x in out.items()}  # waits; cheaper than device_get
     return Generation(
         tokens=out["tokens"],
         logprobs=out["logprobs"],

@@ -353,7 +353,7 @@ def accumulate_gradients(
     """Sum of microbatch gradients of the minibatch loss (normalised by its global counts),
     accumulated in float32 whatever the parameter dtype. `grad_shardings` (the params')
     pins every gradient to its parameter's sharding: left to propagation, XLA kept whole
-    (unsharded) float32 gradients, 8x the memory under fsdp=8."""
+    (unsharded) float32 gradients on every device."""
     pin = lambda g: (
         g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
     )

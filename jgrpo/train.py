@@ -5,23 +5,14 @@ Per step s (0-based; metrics.jsonl line `step` = s + 1 = updates done):
   mode) -> one jitted train step -> publish the new params (version s + 1) to the sampler ->
   request the batch of step s + 1 + k -> log -> validate every grpo.val_period -> checkpoint
   every checkpoint.save_period.
-
 Resume: a checkpoint holds the train state (params, optimizer state, update count) and meta
-(the data-stream position before the first untrained step, the step). Sampling keys derive
+(the data-stream position before the first untrained step, the step); sampling keys derive
 from (grpo.seed, step), so a killed and resumed run repeats the uninterrupted one exactly.
-
-LoRA (model.lora.rank > 0): fresh adapters (seeded by grpo.seed) over the base of model.path;
-the train state's params are the adapters, the base is the step's `frozen` argument and the
-backend's frozen tree (published once), so checkpoints hold adapters + optimizer state and a
-resume re-reads the base from model.path.
-
-Pods: every process runs this same loop over the global mesh (jgrpo.distributed). Each feeds
-only its slice of the step's rows (rollout/local.py: every process advances the same data
-stream and keeps its contiguous prompts); the train step is one global program; checkpoints are
-saved and restored collectively by Orbax (every process calls save/restore, each writes its
-shards; the run folder must be on a filesystem every host sees); only process 0 writes
-config.yaml, metrics.jsonl, TensorBoard, W&B, plots and the console progress.
-"""
+LoRA: fresh adapters (seeded by grpo.seed) are the train state's params; the base of model.path
+is the step's `frozen` argument and the backend's frozen tree, re-read on resume.
+Pods: every process runs this loop over the global mesh, feeding only its slice of the rows;
+checkpoints are collective (Orbax); only process 0 writes config.yaml, metrics.jsonl,
+TensorBoard, W&B, plots and the console progress."""
 
 from __future__ import annotations
 
@@ -36,21 +27,23 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import compile_cache, distributed, sharding, step, step_setup
-from jgrpo.checkpoint import Checkpointer
+from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
+from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
-from jgrpo.metrics import MetricsLogger, NullLogger, write_atomic
-from jgrpo.models import from_pretrained, model_options
-from jgrpo.models.adapters import attach_lora, join_lora, merge_lora
-from jgrpo.models.lora import spec_from_config
-from jgrpo.models.sources import check_model_path, resolve_model_path
+from jgrpo.files import write_atomic
+from jgrpo.metrics import MetricsLogger, NullLogger
+from jgrpo.models import load_policy, policy_folder
+from jgrpo.models.adapters import join_lora, merge_lora
+from jgrpo.models.sources import check_model_path
 from jgrpo.plots import plot_run
 from jgrpo.rollout import (
     RolloutEngine,
     RolloutFailure,
+    RolloutResult,
+    concat_results,
+    dapo,
     load_tokenizer,
     make_backend,
-    validation_metrics,
 )
 from jgrpo.tasks import make_task
 
@@ -95,6 +88,11 @@ def check_pod(cfg: Config, num_processes: int) -> None:
     """What a run over several processes needs beyond a one-process run."""
     if num_processes == 1:
         return
+    if cfg.grpo.use_dynamic_sampling:
+        raise ConfigError(
+            "grpo.use_dynamic_sampling: not supported on a pod yet (every host would have to "
+            "keep the same number of informative groups); run it on one process"
+        )
     if cfg.grpo.num_prompts_per_step % num_processes:
         raise ConfigError(
             f"grpo.num_prompts_per_step: {cfg.grpo.num_prompts_per_step} prompts do not split "
@@ -103,7 +101,7 @@ def check_pod(cfg: Config, num_processes: int) -> None:
     if cfg.rollout.backend == "ray" and not cfg.rollout.ray_address:
         raise ConfigError(
             "rollout.ray_address: a pod's Ray rollout needs one Ray cluster every process joins "
-            "(HOST:PORT of its head, `ray start --head`); see the README's pod section"
+            "(HOST:PORT of its head, `ray start --head`); see docs/pods.md"
         )
 
 
@@ -116,15 +114,13 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     if distributed.is_primary():
         write_run_config(run_dir, cfg)
 
-    folder = resolve_model_path(cfg.model.path)
-    model = from_pretrained(folder, **model_options(cfg.model))
-    spec = spec_from_config(cfg.model.lora)
-    if spec is not None:  # fresh adapters over the loaded base (a resume overwrites them)
-        model = attach_lora(model, spec, jax.random.key(cfg.grpo.seed))
+    folder = policy_folder(cfg.model)
+    # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
+    model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
     built = step_setup.build_step(cfg, model)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
-    distributed.watch_checkpoints(checkpointer.directory)
+    distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)
     start = 0
     restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
     if restored is not None:
@@ -171,11 +167,9 @@ def policy_model(t: Trainer, view=None):
 
 
 def validate(t: Trainer, step_index: int) -> dict[str, float]:
-    """Held-out accuracy (greedy, or pass@k with k samples) with the current weights."""
-    k = t.cfg.grpo.val_pass_k
+    """Every held-out set's metrics (`jgrpo.evaluation`) with the current weights."""
     start = time.perf_counter()
-    result = t.backend.evaluate(t.task.val, step_index, pass_k=k)
-    metrics = validation_metrics(result, len(t.task.val), k)
+    metrics = evaluation.validate_all(t.cfg, t.backend, t.task, step_index)
     return metrics | {"perf/val_s": time.perf_counter() - start}
 
 
@@ -220,7 +214,7 @@ def run(
         t.backend.publish(t.state.params, t.start_step)
         for s in range(t.start_step, min(t.start_step + 1 + k, g.max_num_steps)):
             data_states[s] = t.task.train.state()
-            t.backend.request(s, t.task.train.next_prompts(g.num_prompts_per_step))
+            t.backend.request(s, t.task.train.next_prompts(g.gen_prompts_per_batch))
         if g.val_at_start and t.start_step == 0:
             val = validate(t, 0)
             history.append({"step": 0, **val})
@@ -264,6 +258,8 @@ def train_one_step(
     g, k = t.cfg.grpo, t.cfg.rollout.max_staleness
     start = time.perf_counter()
     result = t.backend.collect(s)
+    if g.use_dynamic_sampling:
+        result = collect_informative(t, s, result)
     if logger is not None:
         logger.log_samples(s + 1, result.samples[: t.cfg.logging.num_samples])
     gen_s = time.perf_counter() - start
@@ -276,7 +272,7 @@ def train_one_step(
     nxt = s + 1 + k
     if nxt < g.max_num_steps:
         data_states[nxt] = t.task.train.state()
-        t.backend.request(nxt, t.task.train.next_prompts(g.num_prompts_per_step))
+        t.backend.request(nxt, t.task.train.next_prompts(g.gen_prompts_per_batch))
     total_s = time.perf_counter() - start
     rows = distributed.allgather_rows({k: result.batch[k] for k in ("lengths", "weight_version")})
     tokens = float(rows["lengths"].sum())
@@ -295,6 +291,43 @@ def train_one_step(
     }
 
 
+def collect_informative(t: Trainer, s: int, first: RolloutResult) -> RolloutResult:
+    """Dynamic sampling (docs/dapo.md): generation batches of step s until P informative groups
+    (at most grpo.dynamic_sampling_max_gen_batches); the extra prompts come from the training
+    stream, so it advances the same way in every run of this config (and a resume). The batch
+    holds the first P informative groups in order, then padding rows (group id -1, sample_mask
+    0) for a shortfall; its statistics are those of every generated row, before filtering."""
+    g = t.cfg.grpo
+    results = [first]
+    kept = sum(dapo.informative_groups(first.batch, g.dynamic_sampling_filter).values())
+    while kept < g.num_prompts_per_step and len(results) < g.dynamic_sampling_max_gen_batches:
+        j = len(results)
+        t.backend.request(s, t.task.train.next_prompts(g.gen_prompts_per_batch), gen_batch=j)
+        results.append(t.backend.collect(s, gen_batch=j))
+        kept += sum(dapo.informative_groups(results[-1].batch, g.dynamic_sampling_filter).values())
+    batch, kept = dapo.select_groups(
+        [r.batch for r in results],
+        g.num_prompts_per_step,
+        g.num_generations_per_prompt,
+        g.dynamic_sampling_filter,
+    )
+    if kept < g.num_prompts_per_step:
+        message = (
+            f"dynamic sampling: step {s + 1} has {kept} informative groups of "
+            f"{g.num_prompts_per_step} after grpo.dynamic_sampling_max_gen_batches = "
+            f"{len(results)} generation batches"
+        )
+        if g.dynamic_sampling_on_exhausted == "raise":
+            raise RunStopped(message)
+        log.warning("%s; training on those (the rest are padding rows)", message)
+    offsets = [j * g.gen_prompts_per_batch for j in range(len(results))]
+    everything = concat_results(results, offsets)
+    stats = {**results[-1].stats, **everything.stats}
+    stats["dynamic_sampling/gen_batches"] = float(len(results))
+    stats["dynamic_sampling/kept_groups"] = float(kept)
+    return RolloutResult(batch, stats, first.samples, first.reward_names)
+
+
 FINAL_DIR = "final"
 """RUN_DIR/final/: the policy at the end of the run, an HF folder."""
 
@@ -303,15 +336,15 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically. On a pod only process 0 writes it."""
+    from jgrpo.files import atomic_folder
     from jgrpo.models.hf import save_pretrained
-    from jgrpo.models.sources import atomic_folder
 
     local = None
     if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
         if not distributed.is_primary():
             return out
         local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.setup.mesh))  # noqa: E731
-    folder = resolve_model_path(t.cfg.model.path)
+    folder = policy_folder(t.cfg.model)
     with atomic_folder(out, overwrite=True) as tmp:
         save_pretrained(policy_model(t, local), tmp, source=folder)
     return out

@@ -27,7 +27,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-from jgrpo.models.sources import tiny_model_fields  # noqa: E402
+from jgrpo.models.tiny import tiny_model_fields  # noqa: E402
 
 TINY_MODEL_FIELDS = tiny_model_fields()
 """TransformerConfig fields of the tiny Qwen2-shaped model the step tests train (d 32, GQA)."""

@@ -162,6 +162,20 @@ def test_watchdog_reports_a_lost_coordinator_as_process_0(monkeypatch):
     assert lost[0][0] == 0 and "coordinator h:1" in lost[0][1]
 
 
+def test_lost_peer_line_names_the_checkpoint_the_caller_finds(monkeypatch, tmp_path):
+    """distributed.py knows no checkpoint format: the trainer passes how to find the newest."""
+    pod = distributed._Pod(None, distributed.ProcessSpec("h:1", 2, 0, "flags"), 0, 2)
+    assert distributed._latest_checkpoint(pod) == "no checkpoint folder"
+    monkeypatch.setattr(distributed, "_POD", pod)
+    seen = []
+    distributed.watch_checkpoints(tmp_path, lambda d: seen.append(d) or 7)
+    assert seen == []  # looked up only when a peer is lost
+    assert distributed._latest_checkpoint(pod) == "latest complete checkpoint: 7"
+    assert seen == [tmp_path]
+    distributed.watch_checkpoints(tmp_path, lambda d: None)
+    assert distributed._latest_checkpoint(pod) == "no complete checkpoint yet"
+
+
 # ----------------------------------------------------------------------------- a real pod
 
 # Every group gets reward variance (a length reward), so losses and gradients are not 0.

@@ -26,7 +26,7 @@ from test_cli import BAD_INPUTS  # tests/ is on sys.path (rootdir conftest)
 
 from jgrpo.cli import run_folder_kind
 from jgrpo.config import load_config, to_dict
-from jgrpo.models.sources import build_tiny_model
+from jgrpo.models.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

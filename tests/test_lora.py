@@ -163,8 +163,8 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     """The Ray backend puts base + adapters on the first publish, adapters alone after it, and
     samples what the local backend samples from base | adapters (both versions)."""
     from jgrpo.config import load_config
-    from jgrpo.models import model_options
-    from jgrpo.models.sources import build_tiny_model
+    from jgrpo.models import load_policy
+    from jgrpo.models.tiny import build_tiny_model
     from jgrpo.rollout import LocalRollout, build_engine, make_backend
     from jgrpo.tasks import make_task
 
@@ -186,7 +186,7 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     versions = []
     for v in range(2):
         model = attach_lora(
-            from_pretrained(folder, **model_options(cfg.model)),
+            load_policy(cfg.model, folder, adapters=False),
             LoRASpec(rank=4, alpha=16.0, target_modules=ALL),
             jax.random.key(0),
         )
@@ -336,12 +336,10 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     from jgrpo import sharding, step, step_setup
     from jgrpo.batch import TrainBatch
     from jgrpo.config import load_config
-    from jgrpo.models import model_options
-    from jgrpo.models.sources import resolve_model_path
+    from jgrpo.models import load_policy
 
     cfg = load_config(TINY, [*LORA8, "mesh.data=1", ROLLOUT_BATCH_BUCKET])
-    folder = resolve_model_path(cfg.model.path)
-    base = from_pretrained(folder, **model_options(cfg.model))
+    base = load_policy(cfg.model, adapters=False)
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
     randomize_adapters(model, std=0.3)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])

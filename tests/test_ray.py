@@ -18,7 +18,7 @@ from jgrpo import sharding, train
 from jgrpo.config import MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
-from jgrpo.models.sources import build_tiny_model
+from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
 from jgrpo.rollout.engine import RolloutFailure
 from jgrpo.rollout.ray_backend import (

@@ -19,18 +19,16 @@ from gguf import GGMLQuantizationType, TokenType
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from jgrpo.config import ConfigError
+from jgrpo.files import atomic_folder
 from jgrpo.models import sources
 from jgrpo.models.gguf import convert_gguf, unpermute_qk
 from jgrpo.models.sources import (
-    atomic_folder,
-    build_tiny_model,
-    char_tokenizer,
     check_model_path,
     resolve_model_path,
-    save_char_tokenizer,
     smollm2_folder,
     smollm2_gguf,
 )
+from jgrpo.models.tiny import build_tiny_model, char_tokenizer, save_char_tokenizer
 
 PROSE = (
     "The capital of France is Paris. It is famous for the Eiffel Tower, which was built in 1889 "
@@ -86,7 +84,7 @@ def test_unpermute_inverts_llama_cpp_permute(n_head, n_kv):
 
 
 def _byte_tokens():
-    vocab = sources.char_tokenizer().get_vocab()
+    vocab = char_tokenizer().get_vocab()
     return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])][4:]  # 256 byte symbols
 
 

@@ -88,6 +88,7 @@ def test_validation_pass_at_k_groups_samples_by_example():
 
     class Task:
         val = ["a", "b", "c"]
+        val_sets = {}
 
     cfg = load_config(TINY, ["grpo.val_pass_k=4"])
     t = train.Trainer(

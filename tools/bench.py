@@ -19,8 +19,8 @@ One run measures, side by side:
 Medians everywhere (these machines are noisy). A table is printed; everything is saved as JSON
 in --out (default runs/bench/) as <UTC time>.json and latest.json.
 
-    python tools/bench.py                 # the full table (~9 min on 2 cores)
-    python tools/bench.py --sizes tiny    # tiny only (~1 min)
+    python tools/bench.py                 # the full table (run times: docs/performance.md)
+    python tools/bench.py --sizes tiny    # tiny only
     python tools/bench.py --smoke         # tiny sizes, one round: what the tests run
 """
 
@@ -62,7 +62,7 @@ SIZES = {
 }
 STEPS_PER_ROUND = {"tiny": 3, "smollm2": 2}
 """Timed steps per variant and round (--steps overrides). Tiny steps also run one untimed
-step after each switch of variant (caches, threads); a SmolLM2 step (~15 s) needs none."""
+step after each switch of variant (caches, threads); a SmolLM2 step is long enough to need none."""
 VARIANTS = {"on-policy": ["loss.force_on_policy_ratio=true"], "off-policy": []}
 
 
@@ -178,7 +178,7 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
 
     path = SIZES[size][0]
     if path == "tiny":
-        from jgrpo.models.sources import build_tiny_model
+        from jgrpo.models.tiny import build_tiny_model
 
         path = str(build_tiny_model(workdir / "tiny-model", overwrite=True, **TINY_MODEL))
     steppers, flops = {}, {}

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jgrpo.losses import token_logprobs
 from jgrpo.models import Transformer, TransformerConfig
-from jgrpo.models.sources import tiny_model_fields
+from jgrpo.models.tiny import tiny_model_fields
 
 CONFIGS = {
     "tiny": TransformerConfig(**tiny_model_fields(width=64, vocab_size=100)),

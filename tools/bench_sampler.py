@@ -25,7 +25,6 @@ when `jgrpo.models.sources.resolve_model_path("smollm2")` is available.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import tempfile
@@ -36,7 +35,8 @@ import numpy as np
 import torch
 import transformers
 
-from jgrpo.models import from_pretrained
+from jgrpo.config import ModelConfig
+from jgrpo.models import load_policy
 from jgrpo.models.kernels import KERNEL_CHOICES, resolve_kernels
 from jgrpo.sampling import SamplingParams, generate
 
@@ -72,7 +72,7 @@ def timed_round_robin(fns, rounds, block, warm):
 
     After each one's first call, `rounds` rounds go over all of them; in a round each gets
     `warm` untimed calls (just after a switch the other side's threads still spin on the cores
-    and its data fills the caches: measured, one warm call leaves jgrpo ~10% slow on 2 cores)
+    and its data fills the caches, which slows the first call after a switch)
     and then `block` timed calls. Slow drift on a shared machine hits both sides alike."""
     first, times, out = {}, {name: [] for name in fns}, {}
     for name, fn in fns.items():
@@ -95,8 +95,10 @@ def bench(
 ):
     rng = np.random.RandomState(0)
     prompts = [rng.randint(2, vocab_hi, prompt_len).tolist() for _ in range(batch)]
-    model = from_pretrained(folder)
-    model.cfg = dataclasses.replace(model.cfg, kernels=kernels)
+    # float32 like the transformers side; remat is a training option (none: from_pretrained's)
+    model = load_policy(
+        ModelConfig(path=str(folder), compute_dtype="float32", remat="none", kernels=kernels)
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
     key = jax.random.key(0)  # an input like the prompts: made once

@@ -28,7 +28,7 @@ from jgrpo import sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.models import Transformer, TransformerConfig
-from jgrpo.models.sources import tiny_model_fields
+from jgrpo.models.tiny import tiny_model_fields
 
 MODEL = TransformerConfig(**tiny_model_fields(width=128, vocab_size=256, num_layers=4))
 VARIANTS = {
@@ -88,10 +88,7 @@ def _mib(nbytes) -> float:
 def measure_lora_vs_full(model_path, rank, rows, seq, repeats):
     """{variant: {ms, param/opt/ref/argument/temp MiB per device}} of a full and a LoRA step."""
     from jgrpo.inspect_step import bytes_per_device
-    from jgrpo.models import from_pretrained, model_options
-    from jgrpo.models.adapters import attach_lora
-    from jgrpo.models.lora import spec_from_config
-    from jgrpo.models.sources import resolve_model_path
+    from jgrpo.models import load_policy
 
     out = {}
     for name, extra in (("full", []), (f"lora r={rank}", [f"model.lora.rank={rank}"])):
@@ -106,10 +103,7 @@ def measure_lora_vs_full(model_path, rank, rows, seq, repeats):
                 *extra,
             ],
         )
-        model = from_pretrained(resolve_model_path(cfg.model.path), **model_options(cfg.model))
-        spec = spec_from_config(cfg.model.lora)
-        if spec is not None:
-            model = attach_lora(model, spec, jax.random.key(0))
+        model = load_policy(cfg.model, seed=0)
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         built = step_setup.build_step(cfg, model, mesh=mesh)
         vocab = model.cfg.vocab_size

@@ -30,7 +30,8 @@ from jgrpo import sampling, sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.inspect_step import analytic_flops
-from jgrpo.models import Transformer, TransformerConfig
+from jgrpo.models import Transformer, TransformerConfig, model_options
+from jgrpo.models.tiny import tiny_model_fields
 from jgrpo.rollout.engine import assemble_batch
 
 PEAK_BF16 = {  # dense (no sparsity) bf16 tensor-core peak, FLOP/s
@@ -62,16 +63,7 @@ SHAPES = {
         head_dim=128,
     ),
 }
-TINY_SHAPE = TransformerConfig(
-    **QWEN,
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-)
+TINY_SHAPE = TransformerConfig(**{**tiny_model_fields(width=64, vocab_size=256), **QWEN})
 SIZES = {"prompts": 8, "generations": 8, "prompt_len": 64, "new_tokens": 512, "repeats": 3}
 TINY_SIZES = {"prompts": 2, "generations": 4, "prompt_len": 8, "new_tokens": 8, "repeats": 2}
 
@@ -106,19 +98,10 @@ def run_config(sizes: dict, overrides: list[str]):
 
 
 def model_for(model_cfg: TransformerConfig, cfg) -> Transformer:
-    m = cfg.model
-    return Transformer(
-        TransformerConfig(
-            **{
-                **vars(model_cfg),
-                "dtype": "bfloat16",
-                "param_dtype": m.dtype,
-                "remat": m.remat,
-                "logprob_chunk_size": m.logprob_chunk_size,
-            }
-        ),
-        rngs=nnx.Rngs(0),
-    )
+    """A random model of shape `model_cfg` under the run's options (jgrpo.models.model_options:
+    run_config's model.compute_dtype=bfloat16, model.dtype, remat, logprob chunk, kernels)."""
+    options = model_options(cfg.model)
+    return Transformer(TransformerConfig(**{**vars(model_cfg), **options}), rngs=nnx.Rngs(0))
 
 
 def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:

@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def encode(text: str) -> list[int]:
-    """The tiny model's tokenizer: byte b is id 4 + b (jgrpo.models.sources.char_tokenizer)."""
+    """The tiny model's tokenizer: byte b is id 4 + b (jgrpo.models.tiny.char_tokenizer)."""
     return [4 + b for b in text.encode()]
 
 
@@ -131,12 +131,14 @@ def train_sft(settings: Settings, base_folder: Path, cfg, log=print):
     import optax
     from flax import nnx
 
-    from jgrpo.models import from_pretrained
+    from jgrpo.config import ModelConfig
+    from jgrpo.models import load_policy
     from jgrpo.rollout import load_tokenizer
     from jgrpo.step import sequence_logprobs
     from jgrpo.tasks import make_task
 
-    model = from_pretrained(base_folder)
+    # float32 without remat: the TransformerConfig defaults the warm start always trained with
+    model = load_policy(ModelConfig(path=str(base_folder), compute_dtype="float32", remat="none"))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     tokenizer = load_tokenizer(base_folder)
@@ -209,8 +211,9 @@ def read_cached(out: Path) -> dict | None:
 
 def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=print) -> dict:
     """Build the warm-start folder `out` (atomically, replacing a stale one); returns its record."""
+    from jgrpo.files import atomic_folder
     from jgrpo.models import save_pretrained
-    from jgrpo.models.sources import atomic_folder, build_tiny_model
+    from jgrpo.models.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         base = build_tiny_model(

@@ -1,9 +1,10 @@
 """The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3) with HF weights in and out.
 
-Public API: `from_pretrained(path, dtype="float32", param_dtype=None, **options)`,
-`save_pretrained(model, path)`, `read_hf_config(path, ...)`, `model_options(model_cfg)` (a run
-config's `model` section -> those keyword arguments), `Transformer`, `TransformerConfig`,
-`KVCache`.
+Public API: `load_policy(model_cfg, ...)` (a run config's `model` section -> the policy: the
+one way train, export and the tools build a model), `policy_config`, `policy_folder`,
+`model_options`; `from_pretrained(path, dtype="float32", param_dtype=None, **options)` (the
+low-level HF reader), `save_pretrained(model, path)`, `read_hf_config(path, ...)`,
+`Transformer`, `TransformerConfig`, `KVCache`.
 """
 
 import importlib
@@ -13,7 +14,10 @@ _EXPORTS = {
     "config_from_hf": "hf",
     "config_to_hf": "hf",
     "from_pretrained": "hf",
-    "model_options": "hf",
+    "load_policy": "policy",
+    "model_options": "policy",
+    "policy_config": "policy",
+    "policy_folder": "policy",
     "read_hf_config": "hf",
     "save_pretrained": "hf",
     "KVCache": "transformer",

@@ -3,33 +3,26 @@
 Owns :func:`convert_gguf`: read a GGUF file with the `gguf` package, dequantise every tensor
 (`gguf.quants.dequantize`, float32), undo llama.cpp's q/k row permutation, and write a folder
 that `transformers.AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load offline:
-
-    config.json              LlamaForCausalLM, as transformers 5 writes it (`rope_parameters`)
-    generation_config.json   bos / eos / pad ids
-    model.safetensors        HF tensor names; no `lm_head.weight` when the GGUF has no `output`
-    tokenizer.json           byte-level BPE rebuilt from `tokenizer.ggml.{tokens,merges}`
-    tokenizer_config.json    special tokens (+ the chat template)
-    chat_template.jinja      the GGUF chat template (where transformers 5 keeps it)
-
-No torch and no transformers: converting SmolLM2-135M takes a few seconds, where transformers'
-own GGUF loader needs torch + accelerate and ~40 s. The folder is built next to `out` and
-renamed into place (:func:`jgrpo.models.sources.atomic_folder`), so an interrupted conversion
+config.json (LlamaForCausalLM, as transformers 5 writes it, `rope_parameters`),
+generation_config.json (bos / eos / pad ids), model.safetensors (HF tensor names; no
+`lm_head.weight` when the GGUF has no `output`), tokenizer.json (byte-level BPE rebuilt from
+`tokenizer.ggml.{tokens,merges}`), tokenizer_config.json (special tokens + the chat template)
+and chat_template.jinja. No torch and no transformers. The folder is built next to `out` and
+renamed into place (:func:`jgrpo.files.atomic_folder`), so an interrupted conversion
 never leaves a half folder that looks complete.
 
 Scope: `general.architecture == "llama"` with a GPT-2 style byte-level BPE vocabulary
-(`tokenizer.ggml.model == "gpt2"`); anything else raises ValueError naming the field.
-"""
+(`tokenizer.ggml.model == "gpt2"`); anything else raises ValueError naming the field."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from jgrpo.models.sources import atomic_folder
+from jgrpo.files import atomic_folder, write_json
 
 # llama.cpp tensor names -> HF Llama names ({i} is the layer index).
 _LAYER_TENSORS = {
@@ -105,10 +98,10 @@ def convert_gguf(
         safetensors.numpy.save_file(
             tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config)
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation_config)
         (tmp / "tokenizer.json").write_text(tokenizer_json)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        write_json(tmp / "tokenizer_config.json", tokenizer_config)
         if chat_template is not None:
             (tmp / "chat_template.jinja").write_text(chat_template)
     return Path(out)
@@ -328,7 +321,3 @@ def _tokenizer_files(meta: dict[str, Any]) -> tuple[str, dict[str, Any], str | N
     if chat_template is not None:
         tokenizer_config["chat_template"] = chat_template
     return tok.to_str(pretty=True), dict(sorted(tokenizer_config.items())), chat_template
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -313,21 +313,6 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------- folders
 
 
-def model_options(model_cfg) -> dict:
-    """`config_from_hf` / `from_pretrained` keyword arguments of a run's `model` section
-    (jgrpo.config.ModelConfig): storage dtype = model.dtype, compute dtype = model.compute_dtype
-    with `auto` resolved on this process's default backend, remat, the logprob chunk size and
-    the platform kernels.
-    The one place the run config's precision options become the model's."""
-    return {
-        "dtype": model_cfg.resolved_compute_dtype(jax.default_backend()),
-        "param_dtype": model_cfg.dtype,
-        "remat": model_cfg.remat,
-        "logprob_chunk_size": model_cfg.logprob_chunk_size,
-        "kernels": model_cfg.kernels,
-    }
-
-
 def read_hf_config(path, **kwargs) -> TransformerConfig:
     """The TransformerConfig of an HF folder's config.json (kwargs as `config_from_hf`)."""
     config_file = Path(path) / "config.json"

@@ -3,42 +3,16 @@
 The switch is `TransformerConfig.kernels`: "auto" (default) | "cpu" | "portable", resolved by
 `resolve_kernels` at trace time ("auto" -> "cpu" when `jax.default_backend()` is "cpu", else
 "portable"). Every kernel below takes the resolved path; nothing else in jgrpo branches on the
-platform. Forcing "portable" on CPU runs the GPU/TPU code on a laptop: the tests do, for
-logits parity with transformers, greedy parity with transformers' generate, the cached decode
-vs the full forward, and sampler vs trainer logprobs.
+platform. The pieces: attention (forward, prefill, decode), the KV cache layout, RoPE cos/sin,
+argmax and Gumbel noise. "cpu" is tuned for XLA:CPU (einsum attention over [b,k,t,g,s] scores,
+keys [b,k,h,s] / values [b,k,s,h], trace-time RoPE tables, max + min-index argmax, threefry
+written out); "portable" is the idiomatic GPU/TPU code (jax.nn.dot_product_attention, a
+[b,s,k,h] cache, run-time RoPE, jnp.argmax, jax.random.gumbel).
 
-    piece                  cpu (tuned for XLA:CPU)               portable (GPU / TPU)
-    attention: forward,    einsum, float32 scores [b,k,t,g,s]    jax.nn.dot_product_attention:
-      prefill                                                    cuDNN flash on CUDA (bf16/fp16,
-                                                                 causal, t = s), XLA elsewhere
-    KV cache layout        keys [b,k,h,s], values [b,k,s,h]      keys, values [b,s,k,h]
-    decode attention       two einsums on those layouts          jax.nn.dot_product_attention
-                                                                 (XLA) over the cache prefix
-    RoPE cos / sin         trace-time NumPy tables, gathered     computed at run time
-    argmax                 max, then the min index at the max    jnp.argmax
-    Gumbel noise           threefry-2x32 written out in jnp      jax.random.gumbel
-
-Both paths compute the same math and differ in float rounding only. The Gumbel noise is
-bit-identical on both (same key -> same noise; tested against `jax.random.gumbel`), and both
-argmaxes return the first index of the maximum, so a key draws the same tokens on both paths
-whenever their logits agree.
-
-Why the CPU path keeps its own kernels (measured on this repo's 2-core machine while ~7 other
-jobs shared it, load 11-24: medians, with wide spreads): on XLA:CPU
-`jax.nn.dot_product_attention` (its XLA implementation: the same two dots, scores in [b,n,t,s]
-order, the mask broadcast over heads) makes the tiny model's training forward 1.5x and its
-gradient 1.3x slower than the einsum over [b,k,t,g,s] scores, which needs no transpose before
-the mask and softmax (`tools/bench_attention.py`, 16 rows x 64 tokens: forward 6.6 vs 10.0 ms,
-gradient 46 vs 61 ms); the whole portable sampler is 2-3.5x slower on the sampler benchmark's
-tiny config (calls of both interleaved in one process: greedy 8.8 vs 17.9 ms a call,
-temperature 1 9.9 vs 33.6 ms; `tools/bench_sampler.py --kernels portable` runs it alone).
-Of its pieces, measured when the CPU code was written: the [b,s,k,h] cache makes the decode
-q . k dot 2.2x / 4.9x slower (tiny / SmolLM2 shapes) than keys [b,k,h,s]; JAX's threefry
-lowering runs as a 5-trip while loop (~3x slower than the hash written out); jnp.argmax's
-variadic reduce is ~3x slower than max + min-index; and XLA:CPU re-evaluates cos/sin inside
-every fusion that uses them. None of this holds on GPU/TPU, where the portable code is the
-idiomatic one (and RoPE tables would be large program constants).
-"""
+Contract: both paths compute the same math and differ in float rounding only; the Gumbel noise
+is bit-identical and both argmaxes return the first index of the maximum, so a key draws the
+same tokens on both paths whenever their logits agree. Forcing "portable" on CPU runs the
+GPU/TPU code on a laptop (the tests do). Why each CPU piece: docs/performance.md."""
 
 from __future__ import annotations
 
@@ -220,7 +194,7 @@ def rope_cos_sin(inv_freq_h2: np.ndarray, positions_bt, num_positions, path: Ker
 
 def argmax(x_bv, path: KernelPath):
     """First index of the row maximum -> [b] int32 (jnp.argmax's ties on both paths). CPU: a
-    max then a min-index reduce, ~3x faster on XLA:CPU than jnp.argmax's variadic reduce."""
+    max then a min-index reduce, faster on XLA:CPU than jnp.argmax's variadic reduce."""
     if path == "portable":
         return jnp.argmax(x_bv, axis=-1).astype(jnp.int32)
     iota_bv = jax.lax.broadcasted_iota(jnp.int32, x_bv.shape, 1)
@@ -231,7 +205,7 @@ def argmax(x_bv, path: KernelPath):
 def gumbel_noise(keys_b, v: int, path: KernelPath):
     """[b, v] float32 Gumbel noise, row b from keys_b[b]: exactly
     `jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys_b)` on both paths (the portable path
-    calls it; the CPU path needs threefry2x32 keys and writes the hash out, ~3x faster)."""
+    calls it; the CPU path needs threefry2x32 keys and writes the hash out, faster there)."""
     if path == "portable":
         return jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys_b)
     if str(jax.random.key_impl(keys_b)) != "threefry2x32":

@@ -1,32 +1,18 @@
 """LoRA adapters of the transformer's projections: their layout, init, forward delta and merge.
 
-For a targeted projection y = x W (+ bias) with W [*in, *out] (our layout, see transformer.py),
-the adapted projection is (Hu et al. 2021; PEFT's `lora.Linear` with dropout 0)
+For a targeted projection y = x W (+ bias) with W [*in, *out] (PEFT's `lora.Linear`, dropout 0):
+y = x W (+ bias) + scale * (x A) B, A [*in, r], B [r, *out], scale = alpha / r; A drawn like
+PEFT (kaiming-uniform, a = sqrt(5)) and B = 0, so a fresh adapter leaves the model unchanged.
+Adapters are stacked over layers ([l, *in, r], [l, r, *out]) as `nnx.LoRAParam`s in
+`Transformer.lora` (so `nnx.split(model, nnx.LoRAParam, ...)` separates them from the frozen
+base) and are always float32, whatever dtype the base is held in.
 
-    y = x W (+ bias) + scale * (x A) B,    A [*in, r], B [r, *out], scale = alpha / r,
-
-A drawn like PEFT's default (kaiming-uniform with a = sqrt(5): U(-1/sqrt(fan_in), +)) and B = 0,
-so a fresh adapter leaves the model unchanged. Adapters are stacked over layers like the base
-weights ([l, *in, r] and [l, r, *out]) and live next to them in `Transformer.lora` as
-`nnx.LoRAParam`s, so `nnx.split(model, nnx.LoRAParam, ...)` separates the trainable adapters
-from the frozen base. They are always float32 (the master copy of mixed precision: the forward
-casts them to the activation dtype), whatever dtype the base is held in.
-
-Sharding: an adapter's `in`/`out` dims carry the logical names of the base weight's dims
-(embed, heads, kv_heads, head_dim, mlp) and the rank dim the name `lora_rank`, which no rule
-shards. So adapters are sharded exactly like the base weight they adapt on the dims they share,
-and replicated over the rank: under tensor parallelism the delta comes out with the base
-projection's output sharding (no activation resharding; o/down contract a sharded dim into r,
-an all-reduce of [b, t, r] instead of [b, t, d]), under fsdp the adapters and their Adam moments
-are split like every other parameter, and `mesh.rules` overrides apply to them too.
-
-Two ways to run them, both exact to float rounding of the same function:
-- training (`Transformer.__call__`): unmerged, `add_delta` after each targeted projection
-  (gradients reach A and B only; no [*in, *out]-sized temporary);
-- sampling (`Transformer.layer_weights`): `merge_layer` folds scale * A B into the layer's
-  inference weights once per generate call, so the decode step runs exactly the base program.
-The reference policy is the base: the forward with `use_lora=False` skips every adapter.
-"""
+Sharding: an adapter's in/out dims carry the logical names of the base weight's dims and the
+rank dim `lora_rank`, which no rule shards: adapters shard like the weight they adapt.
+Two ways to run them, equal up to float rounding: training adds `add_delta` after each
+targeted projection (unmerged: gradients reach A and B only); sampling folds scale * A B into
+the inference weights once per generate call (`merge_layer`), so decode runs the base program.
+The reference policy is the base: the forward with `use_lora=False` skips every adapter."""
 
 from __future__ import annotations
 

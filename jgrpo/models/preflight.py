@@ -1,23 +1,17 @@
 """Pre-flight check of an HF model folder: everything a load would trip on, without loading it.
 
 Owns :func:`check_hf_folder`, called by :func:`jgrpo.models.sources.check_model_path` before
-any model work starts. It reads only small things (config.json, the safetensors headers, the
-tokenizer), imports neither jax nor transformers, and raises :class:`ConfigError` with one line
-naming the file and what is wrong:
-
+any model work starts. It reads only small things, imports neither jax nor transformers, and
+raises :class:`ConfigError` with one line naming the file and what is wrong:
 - config.json: UTF-8 JSON, a mapping, positive integer sizes, heads that divide;
 - weights: model.safetensors or the index and every shard it names; each header parses, its
-  dtypes are ones the loader reads, its data offsets fit the file (a truncated download is
-  caught here, not as a bus error in the middle of a load), and the shape of every tensor the
-  decoder needs matches what config.json implies (:func:`hf_tensor_shapes`);
+  dtypes are ones the loader reads, its data offsets fit the file (a truncated download), and
+  every tensor the decoder needs has the shape config.json implies (:func:`hf_tensor_shapes`);
 - tokenizer: tokenizer.json loads with `tokenizers`, turns a sample prompt into at least one
   token, and every id it gives is below config.json's vocab_size;
-- length: `sequence_length` (rollout.prompt_bucket + rollout.max_new_tokens) fits
-  max_position_embeddings.
-
+- length: rollout.prompt_bucket + rollout.max_new_tokens fits max_position_embeddings.
 The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
-loader re-checks every shape when it copies the weights.
-"""
+loader re-checks every shape when it copies the weights."""
 
 from __future__ import annotations
 

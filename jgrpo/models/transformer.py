@@ -2,49 +2,17 @@
 
 Covers HF LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (q/k RMSNorm,
 explicit head_dim): RMSNorm, RoPE (default and llama3 scaling), GQA/MQA, SwiGLU, tied or untied
-embeddings. Numerics follow transformers' PyTorch forward: norms, softmax and RoPE tables in
-float32, logits returned in float32.
+embeddings, LoRA adapters (`cfg.lora`, models/lora.py). Numerics follow transformers' PyTorch
+forward (norms, softmax, RoPE, logits and logprobs in float32); parameters stored in
+`cfg.param_dtype` are cast to the compute dtype `cfg.dtype` at use, per layer.
 
-Precision: parameters are stored in `cfg.param_dtype` and cast to the compute dtype
-`cfg.dtype` at use (per layer inside the layer scan), so float32 master weights with bfloat16
-compute (mixed precision) and pure bfloat16 both work; logits and logprobs are float32.
-
-Platform-specific kernels (attention, the KV cache layout, RoPE tables) sit behind one switch,
-`cfg.kernels`, in `jgrpo.models.kernels`: XLA:CPU-tuned code on CPU, jax.nn.dot_product_attention
-(cuDNN flash on CUDA) and plain layouts on GPU/TPU. `prefill`, `decode_step` and
-`layer_weights` run in the compute dtype `cfg.dtype` whatever dtype the parameters are stored
-in, and keep the KV cache in it.
-
-Layers are stored stacked along a leading `layers` axis and run with `lax.scan`, so a 30-layer
-model compiles as fast as a 2-layer one. Every parameter carries logical axis names in its
-`logical_axes` metadata; `jgrpo.sharding` maps them to mesh axes. The single-token decode step
-is the exception: it runs the layers unrolled over per-layer weight slices taken once per
-generate call (`layer_weights`), because a scan would slice (copy) every layer's weights again
-for every generated token.
-
+Entry points: `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv;
+`token_logprobs` (chunked, no [b, t, v] logits; the trainer's forward); `prefill` and
+`decode_step` over a KVCache with `layer_weights()` taken once per generate call (the sampler's
+API). Layers are stacked on a leading `layers` axis and run with `lax.scan` (the decode step
+unrolls them); every parameter carries logical axis names for `jgrpo.sharding`.
 Shape legend: b batch rows, t query tokens, s key slots, d model, n query heads, k kv heads,
-g query heads per kv head, h head dim, f mlp, v vocab, l layers.
-
-Entry points:
-- `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv: causal
-  attention over the given tokens; `attention_mask_bt` (1 = real token) masks padded keys, and
-  positions default to `cumsum(mask) - 1`, so left- and right-padded batches both work.
-- `model.token_logprobs(input_ids_bt, attention_mask_bt, temperature)` -> [b, t] float32
-  logprobs of the given tokens, computed in chunks of positions without [b, t, v] logits (the
-  trainer's forward); `cfg.remat` rematerialises the layer stack in its backward.
-- `model.prefill(input_ids_bt, positions_bt, attention_mask_bt, cache_len)` -> (logits_bv of the
-  last position, KVCache): the same forward, keeping every layer's keys/values in cache slots
-  [0, t) of a `cache_len`-slot cache.
-- `model.decode_step(layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len=None)`
-  -> (logits_bv, cache): one new token per row; writes its keys/values at cache `slot` (in
-  place) and attends over slots `s < attend_len` with `kv_mask_bs[b, s]` and `s <= slot`.
-  `layers = model.layer_weights()` is taken once by the caller, outside its decode loop.
-The sampler (`jgrpo.sampling`) is their user.
-
-LoRA (`cfg.lora`, models/lora.py): the adapters live in `self.lora`; the training forward adds
-each targeted projection's low-rank delta unmerged, `use_lora=False` runs the base alone (the
-reference policy), and `layer_weights` merges the adapters into the inference weights.
-"""
+g query heads per kv head, h head dim, f mlp, v vocab, l layers."""
 
 from __future__ import annotations
 
@@ -192,7 +160,7 @@ def rope_tables(cfg: TransformerConfig, positions_bt, num_positions: Optional[in
 def apply_rope(x_btnh, cos, sin):
     """Rotate-half RoPE (HF layout: the two halves of head_dim pair up): the same float32
     products and sums as HF's `x * cos + rotate_half(x) * sin`, written per half (one
-    concatenate of results instead of building rotate_half(x): ~12% of a CPU prefill)."""
+    concatenate of results instead of building rotate_half(x), cheaper on CPU)."""
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_btnh.dtype)
@@ -212,8 +180,8 @@ def attention(q_btnh, k_bskh, v_bskh, mask_bts, kernels: str = "auto", causal: b
 def _project(x, w, contract: int = 1):
     """x [..., K] @ w [K, ...] with K = w's first `contract` axes (x's last ones), as ONE 2-D
     dot over the flattened tokens: [tokens, K] @ [K, out]. Left as an einsum over b, t XLA:CPU
-    transposes operands of the backward's weight-gradient dots (two contracting axes, b and t):
-    the 2-D form made the tiny model's MLP gradient 1.8x faster, same math."""
+    transposes operands of the backward's weight-gradient dots (two contracting axes, b and t);
+    the 2-D form avoids that, same math (docs/performance.md)."""
     k_shape = w.shape[:contract]
     lead = x.shape[: x.ndim - contract]
     y = jnp.dot(x.reshape(-1, math.prod(k_shape)), w.reshape(math.prod(k_shape), -1))
@@ -421,8 +389,10 @@ class Transformer(nnx.Module):
         return x_btd
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, use_lora=True):
-        """-> float32 logits [b, t, v] (see the module docstring). use_lora=False runs the base
-        model alone (the reference policy of a LoRA run)."""
+        """-> float32 logits [b, t, v]: causal attention over the given tokens;
+        `attention_mask_bt` (1 = real token) masks padded keys, and positions default to
+        `cumsum(mask) - 1`, so left- and right-padded batches both work. use_lora=False runs
+        the base model alone (the reference policy of a LoRA run)."""
         hidden_btd = self._hidden(input_ids_bt, positions_bt, attention_mask_bt, use_lora)
         return self._logits(hidden_btd)
 
@@ -468,8 +438,8 @@ class Transformer(nnx.Module):
         # the stored head pinned to its own sharding (its gradient is reduce-scattered into
         # it), then moved to the chunks' layout once, before the loop: XLA would hoist the
         # move out of the loop anyway, and a head gathered whole there is one full copy per
-        # forward (on the 1.5B shape, float32 copies of 0.93 GB each were most of the step's
-        # temporaries: XLA:CPU runs bfloat16 matmuls in float32)
+        # forward (XLA:CPU runs bfloat16 matmuls in float32, so each copy is a float32 head;
+        # docs/performance.md: memory of a step)
         stored = self.embed[...] if cfg.tie_word_embeddings else self.lm_head[...]
         stored = self._pin(stored, "head")
         head_vd = self._pin(stored if cfg.tie_word_embeddings else stored.T, "head_vd")
@@ -512,7 +482,7 @@ class Transformer(nnx.Module):
 
         Only the last position's logits are wanted, so the last layer computes keys/values
         for every position (the cache needs them) but attention, output projection and MLP for
-        the last position only (~15% of the tiny benchmark's prefill).
+        the last position only.
         """
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         path = resolve_kernels(cfg.kernels)

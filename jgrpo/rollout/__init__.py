@@ -1,8 +1,9 @@
 """The rollout layer: generation and scoring behind one backend protocol.
 
     backend.publish(params, version) -> metrics   # new weights after a train step
-    backend.request(step, examples)               # ask for step's batch (may start at once)
-    backend.collect(step) -> RolloutResult        # blocks until that batch is scored
+    backend.request(step, examples, gen_batch=0)  # ask for step's batch (may start at once)
+    backend.collect(step, gen_batch=0) -> RolloutResult  # blocks until it is scored
+                                                  # (gen_batch > 0: dynamic sampling's extras)
     backend.evaluate(examples, step, pass_k)      # validation generations
     backend.close()
 

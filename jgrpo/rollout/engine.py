@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import time
+import zlib
 from typing import Any
 
 import jax
@@ -25,6 +26,8 @@ import numpy as np
 from jgrpo import distributed, sampling
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
+from jgrpo.rollout import dapo
+from jgrpo.rollout.dapo import PADDED_KEYS
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -82,22 +85,22 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         "length/min": float(lengths.min()),
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
+        "completions/clipped_ratio": float(batch["truncated"].mean()),
+        "batch/frac_reward_zero_std": dapo.frac_zero_std(batch),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
         "reward/num_masked": float((batch["sample_mask"] == 0).sum()),
     }
     if "correct" in batch:  # tasks with a verifier
         stats["reward/accuracy"] = float(batch["correct"].mean())
+    if "reward_overlong" in batch:
+        stats["reward/overlong/mean"] = float(batch["reward_overlong"].astype(np.float64).mean())
     terms = batch.get("reward_terms")
     for f, name in enumerate(reward_names):
         column = terms[:, f].astype(np.float64)
         given = ~np.isnan(column)
         stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
     return stats
-
-
-PADDED_KEYS = ("input_ids", "attention_mask", "token_mask", "generation_logprobs")
-"""The [B, T] arrays of a rollout batch; every other key is per row (statistics rows)."""
 
 
 def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResult:
@@ -155,6 +158,10 @@ class RolloutEngine:
         self.greedy_params = dataclasses.replace(
             self.train_params, temperature=0.0, top_p=1.0, top_k=None
         )
+        val_t = cfg.rollout.val_temperature
+        self.val_params = self.train_params
+        if val_t is not None:  # validation samples (not greedy) at rollout.val_temperature
+            self.val_params = dataclasses.replace(self.train_params, temperature=val_t)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - prompts repeat across epochs
     def _encode(self, text: str) -> tuple[int, ...]:
@@ -174,15 +181,20 @@ class RolloutEngine:
         num_generations: int,
         greedy=False,
         first_prompt: int = 0,
+        training: bool = True,
     ) -> RolloutResult:
-        """Sample `num_generations` completions per example and score them.
+        """Sample `num_generations` completions per example and score them; a `training`
+        batch also gets DAPO's overlong shaping and filtering (`dapo.shape_training_batch`).
 
         `first_prompt`: index of examples[0] in the whole step, when a step is split over
         workers; row draws depend on the global row index only, so the parts concatenated
         (`concat_results`) equal the unsplit batch."""
         texts, token_lists = self.prompts(examples)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
-        params_s = self.greedy_params if greedy else self.train_params
+        if greedy:
+            params_s = self.greedy_params
+        else:
+            params_s = self.train_params if training else self.val_params
         start = time.perf_counter()
         gen = sampling.generate(
             (graphdef, params),
@@ -197,10 +209,8 @@ class RolloutEngine:
             for b in range(len(rows))
         ]
         row_examples = [examples[i] for i in rows]
-        completion_ids = [  # without the stop token (the last one, unless truncated)
-            gen.tokens[b, : gen.lengths[b] - (0 if gen.truncated[b] else 1)].tolist()
-            for b in range(len(rows))
-        ]
+        # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
+        completion_ids = [gen.tokens[b, : gen.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
         rewards, info = self.task.score(
             [texts[i] for i in rows], completions, row_examples, completion_ids
@@ -214,6 +224,10 @@ class RolloutEngine:
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
+        if training:
+            dapo.shape_training_batch(batch, self.cfg)
+        elif (votes := self.task.votes(completions)) is not None:
+            batch["vote_ids"] = vote_ids(votes)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
@@ -226,7 +240,7 @@ class RolloutEngine:
             {
                 "prompt": texts[rows[b]],
                 "completion": completions[b],
-                "reward": float(rewards[b]),
+                "reward": float(batch["rewards"][b]),
                 **{
                     f"reward/{name}": _or_none(batch["reward_terms"][b, f])
                     for f, name in enumerate(names)
@@ -235,6 +249,12 @@ class RolloutEngine:
             for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+
+
+def vote_ids(votes) -> np.ndarray:
+    """int64[B] a number per distinct answer string (crc32; -1 = no answer): maj@n's input,
+    numeric so it travels with the batch (Ray, pods)."""
+    return np.asarray([-1 if v is None else zlib.crc32(v.encode()) for v in votes], np.int64)
 
 
 def _or_none(value) -> float | None:
@@ -266,6 +286,12 @@ def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dic
 
 VALIDATION_SALT = 1
 """step_key salt of validation draws (training uses 0), shared by every backend."""
+
+
+def train_salt(gen_batch: int) -> int:
+    """step_key salt of a step's `gen_batch`-th generation batch: 0 for the first (dynamic
+    sampling draws more), VALIDATION_SALT + gen_batch after it."""
+    return 0 if gen_batch == 0 else VALIDATION_SALT + gen_batch
 
 
 def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
@@ -309,15 +335,10 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     """(engine, graphdef) from the config alone: what a rollout worker process needs.
 
     The task is built without its data (workers score, the trainer owns the data order)."""
-    import json
-    from pathlib import Path
-
-    from jgrpo.models import config_from_hf, model_options
-    from jgrpo.models.lora import with_lora
+    from jgrpo.models import policy_config
     from jgrpo.tasks import make_task
 
-    hf = json.loads((Path(model_folder) / "config.json").read_text())
-    model_cfg = with_lora(config_from_hf(hf, **model_options(cfg.model)), cfg.model.lora)
+    model_cfg = policy_config(cfg.model, model_folder)
     task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)

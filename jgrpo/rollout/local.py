@@ -6,17 +6,12 @@ shallow dict union: the two trees have disjoint top-level keys) for every genera
 Generation is lazy: `request` records the examples, `collect` samples with the newest
 published params, so it is always on-policy (rollout.max_staleness must be 0).
 
-On a pod (several processes) every process is handed the same examples (all advance the same
-data stream) and keeps its contiguous slice (`distributed.process_slice`): it generates and
-scores only those prompts, with draws keyed by the global row index (`first_prompt`) and group
-ids shifted to the step's global prompt index, so the rows are exactly those of the same rows
-of a one-process run. It samples with its own host's replica of the globally sharded params
-(`sharding.host_local`: a view of the shards already on its devices, on a mesh of those devices
-only), so generation is a per-host program with no cross-host traffic; the batch it returns
-holds its rows only (left-padded to the widest host's width, so every host feeds the global
-batch the same shape). The batch statistics are computed over the gathered rows of all hosts
-(a few scalars per row), so every process reports the one-process numbers.
-"""
+On a pod every process keeps its contiguous slice of the step's examples
+(`distributed.process_slice`), draws with the global row index and global group ids, and
+samples with its host's replica of the sharded params (`sharding.host_local`: no cross-host
+traffic); its batch holds its rows only, left-padded to the widest host's width. Batch
+statistics are computed over the gathered rows of all hosts, so every process reports the
+one-process numbers."""
 
 from __future__ import annotations
 
@@ -32,6 +27,7 @@ from jgrpo.rollout.engine import (
     gather_pod_rows,
     join_pod_slice,
     step_key,
+    train_salt,
 )
 
 
@@ -48,7 +44,7 @@ class LocalRollout:
         self.num_generations = num_generations
         self.params = None
         self.version = -1
-        self.pending: dict[int, tuple[list, int]] = {}
+        self.pending: dict[tuple[int, int], tuple[list, int]] = {}
         self._host_mesh = None
 
     def publish(self, params, version: int) -> dict[str, float]:
@@ -59,13 +55,13 @@ class LocalRollout:
         self.params, self.version = params, version
         return {"rollout/weight_sync_s": 0.0}
 
-    def request(self, step: int, examples: list) -> None:
+    def request(self, step: int, examples: list, gen_batch: int = 0) -> None:
         lo, hi = distributed.process_slice(len(examples))
-        self.pending[step] = (examples[lo:hi], lo)
+        self.pending[step, gen_batch] = (examples[lo:hi], lo)
 
-    def collect(self, step: int) -> RolloutResult:
-        examples, first = self.pending.pop(step)
-        key = step_key(self.seed, step)
+    def collect(self, step: int, gen_batch: int = 0) -> RolloutResult:
+        examples, first = self.pending.pop((step, gen_batch))
+        key = step_key(self.seed, step, train_salt(gen_batch))
         result = self.engine.rollout(
             self.graphdef,
             self._model_params(),
@@ -98,6 +94,7 @@ class LocalRollout:
             pass_k,
             greedy=pass_k == 1,
             first_prompt=first,
+            training=False,
         )
 
     def _model_params(self):

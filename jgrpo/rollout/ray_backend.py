@@ -1,76 +1,18 @@
 """The Ray rollout backend: `rollout.num_workers` RolloutWorker actors generate and score batches.
 
-The only module of jgrpo that imports ray. `RayRollout` keeps the backend protocol of
-`LocalRollout` (publish / request / collect / evaluate / close); the trainer still only sees
-numpy `RolloutResult`s.
-
-Weight sync. `publish(params, version)` gathers the trainer's (possibly sharded) params to host
-numpy once (`jax.device_get`) and `ray.put`s ONE object holding them; the driver keeps only the
-newest (version, ref). Every batch sent to a worker carries that pair (the ref boxed in a list so
-Ray does not resolve it eagerly); a worker whose cached version differs pulls the object (a
-zero-copy read from the node's object store, then `jax.device_put`) before it generates, so a
-version is fetched by a worker at most once and only if it generates with it. Older versions are
-freed by Ray's reference counting once no queued batch names them. Metrics: publish returns
-`rollout/weight_sync_s` (gather + put, the trainer-side cost per step), the result of each
-batch carries the worker-side `rollout/weight_pull_s` and `rollout/generate_s`.
-`rollout/weight_mb` is what that publish put into the object store.
-
-LoRA (`frozen` given: the base, which never changes): the first publish also puts the base, once;
-every publish after it puts only the trainable adapters (so `rollout/weight_mb` drops to the
-adapters' size). A worker pulls the base on its first batch (a restarted worker on its first
-batch again) and each adapter version like the full params above; it samples from base | adapters
-(the sampler merges the adapters into its inference weights once per generate call).
-
-Pods (several trainer processes, `jgrpo.distributed`). Every process is a Ray driver of its
-own `rollout.num_workers` workers in the one cluster of `rollout.ray_address`, placed by their
-resource request with a soft affinity to the driver's node. It requests and collects only its
-contiguous slice of each step's prompts (`distributed.process_slice`; draws keyed by the global
-row, group ids global), so no host holds the global batch and the rows are those of a
-one-process run; the statistics are gathered over the hosts (`engine.join_pod_slice`). Why not
-process 0 driving every worker: its host would receive, hold and scatter the whole batch each
-step, and the per-host data path would differ between the backends. Weight sync never gathers
-the model on one host: `plan_shards` gives each distinct shard (replicas de-duplicated) to one
-process that holds it (the least-loaded holder when several do, as every host does in the
-hybrid mesh), each process copies only those shards to host memory (`local_shards`) and puts
-them as one object, and hands the ref to the pod's `WeightBroker` actor (started by process 0).
-The box a worker receives names the broker's answer for that version: one ref per process; the
-worker pulls them all and assembles the full tree (`assemble_shards`). `rollout/weight_mb` is
-then what this process put (about 1/N of the model). LoRA: the base goes the same way, once.
-
-Scheduling. The driver runs no background thread: each protocol call first reaps finished
-batches (non-blocking) and hands queued batches to idle workers, one batch per worker at a time,
-so a batch always starts with the newest weights published when it starts. A step (or a
-validation pass) is split into one part per worker over contiguous prompt ranges; part j of step
-s goes to worker (s + j) % num_workers if that one is idle, else to the next idle one. Every part
-uses the key `step_key(seed, s)` and the sampler draws row b with `fold_in(key, global row b)`,
-so the parts joined by `concat_results` equal the unsplit batch `LocalRollout` generates: in sync
-mode the ray result equals the local one row for row, whatever the number of workers.
-- Sync (rollout.max_staleness = 0): step s may start only once version >= s is published (the
-  trainer publishes version s, then requests step s); one step is in flight at a time, spread
-  over all workers.
-- Async (max_staleness = k >= 1): the trainer requests up to k steps ahead; a queued step s
-  starts as soon as a worker is idle and the newest version v has s - v <= k; otherwise it waits
-  for a newer publish. Generation of later steps thus overlaps training. `collect` checks every
-  row's `weight_version` against the bound again and regenerates a batch that breaks it (it
-  cannot, by the dispatch rule; the check is the contract). Results carry
-  `rollout/staleness_max` / `rollout/staleness_mean` (step - weight_version over rows).
-
-Faults. A batch whose worker died (SIGKILL, OOM, node loss) or raised is counted as one
-failure; the worker is killed and replaced by a fresh actor (it pulls the newest weights with
-its next batch) and the batch goes back to the front of the queue with the same step and key,
-so no step is lost and each step's result is returned exactly once. Failure number
-`max_worker_failures + 1` raises `RolloutFailure` naming the last error; the trainer checkpoints
-and stops.
-
-Resources. Each worker asks Ray for a CPU share (the cluster's CPUs split over the workers of
-every trainer process and the trainer processes; fractional when there are fewer CPUs than
-workers) and, on GPU clusters, a GPU share; constructor arguments override both. XLA in a
-worker gets as many intra-op threads as its CPU share, JAX_PLATFORMS=cpu when it has no GPU,
-and the driver's PYTHONPATH (custom reward modules import as in the trainer). A local cluster
-is started quietly (no dashboard, no usage stats, no token banner, worker logs not forwarded:
-errors come back in the exceptions) unless Ray is already initialised or `rollout.ray_address`
-names a cluster to join.
-"""
+The only module of jgrpo that imports ray. `RayRollout` keeps `LocalRollout`'s protocol
+(publish / request / collect / evaluate / close); the trainer sees only numpy `RolloutResult`s.
+Weights: `publish` puts ONE object per version (on a pod each process puts only its planned,
+de-duplicated shards, `plan_shards` / `local_shards`, registered with the `WeightBroker`; a
+worker pulls and `assemble_shards` them); a worker pulls a version at most once and only if it
+generates with it; with LoRA the frozen base goes once, then adapters only. Scheduling: no
+background thread; each call reaps finished batches and hands queued parts to idle workers.
+A step is split into per-worker parts over contiguous prompts, all with `step_key(seed, s)` and
+draws keyed by the global row, so joined parts equal the local backend's batch. Sync
+(max_staleness 0) or async (step s may start when s - newest version <= k; `collect` re-checks
+the bound). Faults: a dead or raising worker is replaced and its batch re-queued with the same
+key; failure `max_worker_failures + 1` raises `RolloutFailure`. docs/rollout.md and
+docs/pods.md describe weight sync, scheduling, resources and metrics in full."""
 
 from __future__ import annotations
 
@@ -95,6 +37,7 @@ from jgrpo.rollout.engine import (
     gather_pod_rows,
     join_pod_slice,
     step_key,
+    train_salt,
 )
 
 
@@ -135,8 +78,9 @@ RAY_CONNECT_TIMEOUT_S = 5.0
 
 
 def check_ray_address(address: str) -> None:
-    """ConfigError within RAY_CONNECT_TIMEOUT_S (not ray.init's ~25 s) when the host:port of
-    `address` does not accept a TCP connection; the pre-flight (train.check_run) calls it."""
+    """ConfigError within RAY_CONNECT_TIMEOUT_S (ray.init itself would wait much longer) when
+    the host:port of `address` does not accept a TCP connection; the pre-flight
+    (train.check_run) calls it."""
     import socket
 
     target = address.removeprefix("ray://")
@@ -371,6 +315,7 @@ class RolloutWorker:
             num_generations,
             greedy=greedy,
             first_prompt=first_prompt,
+            training=salt != VALIDATION_SALT,
         )
         result.stats["rollout/weight_pull_s"] = pull_s
         result.stats["rollout/generate_s"] = time.perf_counter() - start
@@ -381,7 +326,7 @@ class RolloutWorker:
 class _Job:
     """One batch to generate: a training step (bounded staleness) or a validation pass."""
 
-    name: tuple  # ("train", step, part) | ("eval", n, part)
+    name: tuple  # ("train", step, gen_batch, part) | ("eval", n, 0, part)
     step: int
     examples: list
     salt: int
@@ -498,21 +443,25 @@ class RayRollout:
         nbytes = sum(data.nbytes for _, _, shards in leaves for _, data in shards)
         return self._sync_metrics(start, gathered, done, nbytes)
 
-    def request(self, step: int, examples: list) -> None:
-        """Queue step's batch; it starts now if a worker is idle and the weights are fresh.
-        On a pod: this process's slice of the examples only."""
-        name = ("train", step)
+    def request(self, step: int, examples: list, gen_batch: int = 0) -> None:
+        """Queue step's batch (its `gen_batch`-th generation batch: dynamic sampling); it
+        starts now if a worker is idle and the weights are fresh. On a pod: this process's
+        slice of the examples only."""
+        name = ("train", step, gen_batch)
         if name in self._requested:
             raise ValueError(f"request: step {step} was already requested")
         self._requested.add(name)
         lo, hi = distributed.process_slice(len(examples))
-        self._queue += self._split(name, step, examples[lo:hi], 0, self.num_generations, False, lo)
-        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, j.name[2]))
+        salt = train_salt(gen_batch)
+        self._queue += self._split(
+            name, step, examples[lo:hi], salt, self.num_generations, False, lo
+        )
+        self._queue.sort(key=lambda j: (j.name[0] == "train", j.step, *j.name[2:]))
         self._pump()
 
-    def collect(self, step: int) -> RolloutResult:
+    def collect(self, step: int, gen_batch: int = 0) -> RolloutResult:
         """Block until step's batch is scored; returns it once (a second collect raises)."""
-        name = ("train", step)
+        name = ("train", step, gen_batch)
         if name not in self._requested:
             raise KeyError(f"collect: step {step} was not requested (or was already collected)")
         result = self._gather(name)
@@ -521,7 +470,7 @@ class RayRollout:
 
     def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
         """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
-        name = ("eval", self._num_evals)
+        name = ("eval", self._num_evals, 0)
         self._num_evals += 1
         lo, hi = distributed.process_slice(len(examples))
         jobs = self._split(name, step, examples[lo:hi], VALIDATION_SALT, pass_k, pass_k == 1, lo)
@@ -655,7 +604,7 @@ class RayRollout:
             if job.max_staleness is not None and job.step - version > job.max_staleness:
                 continue  # too far ahead of the newest weights: wait for a newer publish
             n = len(self._workers)
-            first = job.step + job.name[2]
+            first = job.step + job.name[3]
             idle = [(first + j) % n for j in range(n) if (first + j) % n not in busy]
             if not idle:
                 return

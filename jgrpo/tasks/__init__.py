@@ -9,18 +9,10 @@
 
 Example fields (plain dicts): `id` ("train/17", "val/3"), `task`; built-in tasks add
 `question`, `answer` (the reference: a number string for arithmetic/gsm8k, a solution
-expression for countdown, possibly "" from files); gsm8k/file records add `solution` (the
-full answer text); countdown adds `numbers` (list[int]) and `target` (int); task `prompts`
-adds `row` (the dataset record).
-
-Bare prompts (no chat template; completion = reference_completion + EOS):
-    arithmetic  "12+34-5="            -> "41"
-    countdown   "3,5,2:16="           -> "(3+5)*2"
-    gsm8k       "Q: {question}\\nA:"   -> " {solution without <<..>>, ending '#### N'}"
-
-Custom rewards (data.reward_functions, TRL's batched signature) run in a child process with
-timeouts; see `jgrpo.tasks.rewards` for the signature, the None rule and the timeout rule.
-"""
+expression for countdown, possibly "" from files); gsm8k/file records add `solution`;
+countdown adds `numbers` (list[int]) and `target` (int); task `prompts` adds `row` (the
+dataset record). Bare prompts: arithmetic "12+34-5=" -> "41", countdown "3,5,2:16=" ->
+"(3+5)*2", gsm8k "Q: {question}\\nA:" -> " {solution without <<..>>, ending '#### N'}"."""
 
 from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
 from jgrpo.tasks.rewards import RewardRunner, import_reward_function

@@ -6,11 +6,13 @@ follow the usual precedence (`*` before `+ -`) and may be negative. Verified num
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.data import Example
-from jgrpo.tasks.verify import evaluate_expression, verify_numeric
+from jgrpo.tasks.verify import evaluate_expression, numeric_vote, verify_numeric
 
 _INSTRUCTION = "What is {question}? Give the final answer as a number after ####."
 
@@ -56,6 +58,9 @@ class ArithmeticTask:
 
     def verify(self, completion: str, example: Example) -> bool:
         return verify_numeric(completion, str(example["answer"]))
+
+    def vote(self, completion: str) -> Optional[str]:
+        return numeric_vote(completion)
 
     def example_from_record(self, record: dict, index: int, where: str, cfg: DataConfig):
         from jgrpo.tasks.gsm8k import numeric_example_from_record

@@ -12,12 +12,13 @@ Bare prompt `3,5,2:16=`, reference completion `(3+5)*2`. File records need a `nu
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Optional
 
 import numpy as np
 
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.data import Example
-from jgrpo.tasks.verify import verify_countdown
+from jgrpo.tasks.verify import extract_expression, verify_countdown
 
 _MAX_TARGET = 999
 _TRIES = 32
@@ -118,6 +119,9 @@ class CountdownTask:
 
     def verify(self, completion: str, example: Example) -> bool:
         return verify_countdown(completion, example["numbers"], example["target"])
+
+    def vote(self, completion: str) -> Optional[str]:
+        return extract_expression(completion)
 
     def example_from_record(self, record: dict, index: int, where: str, cfg: DataConfig):
         numbers = record.get("numbers", record.get("nums"))

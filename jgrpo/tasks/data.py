@@ -1,30 +1,18 @@
 """Datasets of records and the deterministic, restorable order of training examples.
 
 Sources (`load_table(spec, key, split)`, always through the `datasets` library, imported only
-when file data is used):
-- a file, by suffix: `.jsonl` / `.ndjson` / `.json` (JSON Lines or a list of objects),
-  `.parquet` / `.pq`, `.csv`; read by `datasets.load_dataset(<builder>, data_files=...)`, which
-  converts it once into a memory-mapped Arrow file in the HF datasets cache (a column mixing
-  strings and lists, e.g. prompts some plain and some chat messages, becomes a `Json` column);
-- a folder written by `Dataset.save_to_disk` (`DatasetDict` folders: split `train` for
-  data.train_path, `test` or `validation` for data.val_path), read by `load_from_disk`;
-- a Hugging Face dataset id (`org/name`) already in the local hub cache: its snapshot folder
-  (`huggingface_hub.snapshot_download(..., local_files_only=True)`, offline) loaded like a
-  local dataset repository, same split rule.
-Python data (the `jgrpo.GRPOTrainer` API) is a list of dicts or a `datasets.Dataset`.
-
-Nothing is read into a Python list: `Rows` indexes the Arrow table and builds an example when
-the stream hands it out. Null values in a required field are found up front with Arrow's null
-counts (`first_null`), so a bad record is named before any model loads.
-
-Streams hand out examples with `next_prompts(n)` and carry a small JSON state:
-- `RecordStream` (file data), state `{"kind": "records", "seed", "epoch", "offset",
-  "num_records"}`: epoch e visits the records in `permutation(rng(seed, e))` order (or file order
-  when data.shuffle is off), so every epoch reshuffles and no state beyond the position is needed.
-- `SyntheticStream` (generated data), state `{"kind": "synthetic", "seed", "index"}`: example i
-  is drawn from `rng(seed, i)`, an infinite stream with no epochs.
-Restoring a state and calling `next_prompts` yields exactly what the uninterrupted stream would.
-"""
+when file data is used): a file by suffix (`.jsonl` / `.ndjson` / `.json`, `.parquet` / `.pq`,
+`.csv`; `datasets.load_dataset` converts it once into a memory-mapped Arrow file), a
+`save_to_disk` folder (`DatasetDict`: split `train` for data.train_path, `test` or `validation`
+for data.val_path), or a Hugging Face dataset id already in the local hub cache (offline, same
+split rule). Python data (the `jgrpo.GRPOTrainer` API): a list of dicts or a `datasets.Dataset`.
+Nothing is read into a Python list: `Rows` indexes the Arrow table; null values in a required
+field are found up front with Arrow's null counts (`first_null`), before any model loads.
+Streams hand out examples with `next_prompts(n)` and carry a small JSON state: `RecordStream`
+(`{"kind": "records", "seed", "epoch", "offset", "num_records"}`: epoch e in
+`permutation(rng(seed, e))` order, or file order without data.shuffle) and `SyntheticStream`
+(`{"kind": "synthetic", "seed", "index"}`: example i from `rng(seed, i)`, no epochs).
+Restoring a state and calling `next_prompts` yields exactly what the uninterrupted stream would."""
 
 from __future__ import annotations
 

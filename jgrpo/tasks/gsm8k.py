@@ -8,9 +8,16 @@ data.answer_key); an answer without `####` must itself be a number.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.data import Example
-from jgrpo.tasks.verify import reference_answer, strip_calculator_annotations, verify_numeric
+from jgrpo.tasks.verify import (
+    numeric_vote,
+    reference_answer,
+    strip_calculator_annotations,
+    verify_numeric,
+)
 
 _INSTRUCTION = (
     "{question}\nSolve it step by step, then give the final answer as a number after ####."
@@ -71,6 +78,9 @@ class GSM8KTask:
 
     def verify(self, completion: str, example: Example) -> bool:
         return verify_numeric(completion, str(example["answer"]))
+
+    def vote(self, completion: str) -> Optional[str]:
+        return numeric_vote(completion)
 
     def example_from_record(self, record: dict, index: int, where: str, cfg: DataConfig):
         return numeric_example_from_record(self.name, record, index, where, cfg)

@@ -1,57 +1,18 @@
 """Custom reward functions: the signature, the start-up check and contained execution.
 
-The signature is TRL's (`GRPOTrainer(reward_funcs=...)`), called once per function per scored
-batch (one training step's rollout on one worker):
-
-    def my_reward(prompts, completions, completion_ids, **columns) -> list[float | None]
-
-with every argument a list aligned with the rows: `prompts[b]` (for `data.task: prompts` the
-record's prompt as stored, a string or chat messages; for the built-in tasks the prompt text),
-`completions[b]` (the generated text; `[{"role": "assistant", "content": text}]` when the prompt
-is a message list), `completion_ids[b]` (the generated token ids, the stop token excluded) and
-one list per dataset column (`columns["answer"][b]`; the prompt column is the `prompts`
-argument). All are passed as keywords, so `**kwargs` takes what a function does not name.
-`data.reward_functions[i].per_sample: true` keeps the old form `fn(prompt, completion, example)
--> float`, called once per sample.
-
-None (or NaN) for a sample means "no reward from this function for this sample": it is counted
-(`reward/num_none`), it is not a zero. A sample's reward is the weighted sum over the functions
-that returned a value (plus the built-in verifier's term); a sample for which every term is
-None gets sample_mask 0, so it is left out of its group's baseline and of the loss. (TRL
-instead nansums: such a sample scores 0 and still enters the group mean.) Exceptions, timeouts
-and results that are not numbers are errors: those samples score 0 from that function and are
-counted (`reward/num_errors`, `reward/num_timeouts`). A batched call that raises, hangs or
-returns the wrong number of values fails all of its samples.
-
-Why a child process and not threads: a reward function that hangs in a thread can never be
-stopped; it keeps its thread (and, if it spins, a share of the GIL) for the rest of the run and
-can block interpreter exit. A child process can be interrupted and, if need be, killed. The cost
-is one interpreter start plus one pickled round trip per function per `score` call; per call
-there is only a `setitimer` and a 24-byte progress write. Functions are sent to the child as
-`module:function` strings (imported there) or, when given as Python objects (a function
-defined in a notebook, say), pickled with cloudpickle (by value when they live in `__main__`).
-
-Start-up check (`RewardRunner.start`, called by the trainer's Task before any model loads): the
-child imports or unpickles every function and checks its signature under a SIGALRM timer of
-data.reward_import_timeout_s, and reports. The parent never imports reward modules itself, so a
-module that exits the process (os._exit), crashes or hangs at import is a ConfigError naming
-that function, not a silent end or a hang of jgrpo. The child keeps running and later scores.
-
-Inside the child (`python -c`, not multiprocessing: nothing is forked from a JAX/Ray process,
-and the parent's `__main__` is never re-imported) each call runs on the main thread under a
-SIGALRM interval timer of `reward_timeout_s`, which interrupts pure-Python hangs (sleep, loops)
-without losing the process. A hang that ignores signals (C code holding the GIL) is caught by
-the parent: the child publishes (function, sample, start time) in a shared memory map, and once a
-call runs past `reward_timeout_s + _KILL_SLACK_S` the parent kills the child, restarts it, and
-resubmits the unfinished work. The child ignores SIGINT (Ctrl-C stops the parent, which kills
-the child); a KeyboardInterrupt or SystemExit raised by a reward is an error of that call.
-
-Timeout rule (per-sample form): the first time a function times out within one `score` call, its
-remaining samples in that call are not run and count as timeouts too (likewise a call that kills
-the child: the function's remaining samples count as errors). Hangs are almost always
-systematic (a dead server, a deadlock), and this caps a `score` call at about `reward_timeout_s`
-per hanging function instead of N x timeout; the next call tries the function afresh.
-"""
+Signature (TRL's), called once per function per scored batch, every argument a list aligned
+with the rows and passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
+list[float | None]` (`completions[b]` is `[{"role": "assistant", "content": text}]` for chat
+prompts; `completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per
+dataset column). `per_sample: true` keeps `fn(prompt, completion, example) -> float`. None =
+no reward from this function for this sample (counted, not a zero); a sample whose every term
+is None gets sample_mask 0. Exceptions, timeouts and non-numbers score 0 and are counted.
+Functions run in a child process (`python -c`, nothing forked; given as `module:function` or
+cloudpickled objects): `RewardRunner.start` imports/unpickles and checks every function under
+data.reward_import_timeout_s before any model loads (a failing import is a ConfigError naming
+it); each call runs under a SIGALRM timer of data.reward_timeout_s, and a hang that ignores
+signals is killed by the parent after `reward_timeout_s + _KILL_SLACK_S` (the child restarts,
+unfinished work is resubmitted). docs/rewards.md: the full rules, per-sample timeouts too."""
 
 from __future__ import annotations
 

@@ -8,13 +8,11 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
 
-Validation set: data.val_path (or eval_dataset) when given (its first data.num_val_examples
-records); else, for file data, a seeded split of the training records disjoint from training (at
-most half of the records); else a synthetic set disjoint from every training example (same dedup
-key: the question for arithmetic, the number multiset for countdown). The split and the
-synthetic val set depend only on the data config, not on the run seed, so runs with different
-seeds are validated alike.
-"""
+Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
+for file data, a seeded split of the training records disjoint from training (at most half of
+them); else a synthetic set disjoint from every training example (dedup key: the question for
+arithmetic, the number multiset for countdown). It depends only on the data config, not on the
+run seed, so runs with different seeds are validated alike."""
 
 from __future__ import annotations
 
@@ -94,8 +92,14 @@ class Task:
             cfg.reward_functions, cfg.reward_timeout_s, cfg.reward_import_timeout_s
         )
         self._train = self._val = None
+        self._val_sets: dict[str, list[Example]] = {}
         if load_data:
             self._train, self._val = self._build_data(train_dataset, eval_dataset)
+            for name, path in cfg.val_sets:  # more held-out sets, same task and rewards
+                rows = self._rows(None, path, f"data.val_sets.{name}", "val")
+                self._val_sets[name] = [
+                    rows[i] for i in range(min(len(rows), cfg.num_val_examples))
+                ]
             self._runner.start()  # the reward start-up check, before any model loads
 
     def __reduce__(self):
@@ -119,6 +123,11 @@ class Task:
         if self._val is None:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
+
+    @property
+    def val_sets(self) -> dict[str, list[Example]]:
+        """The named held-out sets of data.val_sets (name -> examples), besides `val`."""
+        return dict(self._val_sets)
 
     def _build_data(self, train_dataset, eval_dataset):
         cfg = self.cfg
@@ -259,6 +268,13 @@ class Task:
     def verify(self, completion: str, example: Example) -> bool:
         """The task verifier alone: is the completion's final answer correct?"""
         return bool(self.kind.verify(completion, example))
+
+    def votes(self, completions: Sequence[str]) -> Optional[list[Optional[str]]]:
+        """Each completion's final answer as maj@n votes on it (the verifier's extraction,
+        canonical), None for no answer; None for a task without a verifier."""
+        if not hasattr(self.kind, "vote"):
+            return None
+        return [self.kind.vote(c) for c in completions]
 
     def start_rewards(self) -> None:
         """Run the reward start-up check now (a Task built with load_data=False skips it)."""

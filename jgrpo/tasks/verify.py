@@ -126,6 +126,13 @@ def numbers_equal(predicted: Optional[str], reference: str) -> bool:
     return a == b or abs(a - b) <= _REL_TOL * max(abs(a), abs(b))
 
 
+def numeric_vote(completion: str) -> Optional[str]:
+    """The completion's final answer as a canonical number string (12, 12.0 and 24/2 alike:
+    the exact rational), the key maj@n votes on; None when it has no number."""
+    value = parse_number(extract_answer(completion) or "")
+    return None if value is None else str(value)
+
+
 def verify_numeric(completion: str, reference: str) -> bool:
     """True when the completion's final answer equals the reference number."""
     return numbers_equal(extract_answer(completion), reference)

@@ -1,0 +1,86 @@
+"""The one config tree of a jgrpo run, as a package that imports no jax.
+
+- ``sections``: the frozen, documented dataclasses (``Config`` and its sections) and
+  ``ConfigError``;
+- ``loading``: YAML reading, dotted overrides, coercion (``from_dict``), ``to_dict``,
+  ``field_docs``, ``format_config`` and ``load_config``;
+- ``rules``: ``validate`` (the bounds, then one check per section) and the ``MAX_*`` bounds;
+- ``resume``: ``RESUME_MAY_CHANGE`` and ``check_resume_compatible``.
+
+Everything is re-exported here: ``from jgrpo.config import X`` is the way in. Every failure
+raises ``ConfigError`` with one line naming the dotted key and what is allowed, before any
+model or worker starts.
+"""
+
+from jgrpo.config.loading import (
+    apply_overrides,
+    field_docs,
+    format_config,
+    from_dict,
+    load_config,
+    read_yaml,
+    to_dict,
+)
+from jgrpo.config.resume import RESUME_MAY_CHANGE, check_resume_compatible
+from jgrpo.config.rules import (
+    MAX_BATCH_ROWS,
+    MAX_BATCH_TOKENS,
+    MAX_OPERAND,
+    MAX_SEED,
+    MAX_SEQUENCE,
+    MAX_VAL_EXAMPLES,
+    validate,
+)
+from jgrpo.config.sections import (
+    AdvantageConfig,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    GRPOConfig,
+    LoggingConfig,
+    LoRAConfig,
+    LoRATarget,
+    LossConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    OverlongBufferConfig,
+    RewardFunctionConfig,
+    RolloutConfig,
+)
+
+__all__ = [
+    "MAX_BATCH_ROWS",
+    "MAX_BATCH_TOKENS",
+    "MAX_OPERAND",
+    "MAX_SEED",
+    "MAX_SEQUENCE",
+    "MAX_VAL_EXAMPLES",
+    "RESUME_MAY_CHANGE",
+    "AdvantageConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "GRPOConfig",
+    "LoRAConfig",
+    "LoRATarget",
+    "LoggingConfig",
+    "LossConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlongBufferConfig",
+    "RewardFunctionConfig",
+    "RolloutConfig",
+    "apply_overrides",
+    "check_resume_compatible",
+    "field_docs",
+    "format_config",
+    "from_dict",
+    "load_config",
+    "read_yaml",
+    "to_dict",
+    "validate",
+]

@@ -1,0 +1,436 @@
+"""The rules a config must meet beyond its types: the bounds and the cross-field rules.
+
+``validate(cfg)`` runs the bounds (tables of dotted keys below), then one small function per
+section, each named for the section it checks (``check_data``, ``check_grpo``, ``check_loss``,
+...; then the feature checks ``check_dapo``, ``check_evaluation``), in a fixed order so
+that a config with several faults always reports the same first one. The cross-field rules
+are those of docs/losses.md. Every failure raises ``ConfigError`` with one line naming the
+dotted key and what is allowed; ``validate`` returns the config unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+from jgrpo.config.sections import (
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    LoRAConfig,
+    LossConfig,
+    MeshConfig,
+    OptimConfig,
+)
+
+MAX_SEED = 2**32 - 1
+"""grpo.seed: numpy and jax seeds are 32-bit."""
+MAX_OPERAND = 10**9
+"""data.max_operand: arithmetic prompts stay short and exact in int64."""
+MAX_SEQUENCE = 2**17
+"""rollout.prompt_bucket, rollout.max_new_tokens and their sum (131072 tokens)."""
+MAX_BATCH_ROWS = 2**16
+"""P x G rows of one rollout batch."""
+MAX_BATCH_TOKENS = 2**27
+"""P x G x (prompt_bucket + max_new_tokens): 0.5 GiB per int32 array of the batch."""
+MAX_VAL_EXAMPLES = 100_000
+"""data.num_val_examples."""
+
+AT_LEAST_ONE = (
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "grpo.max_num_steps",
+    "grpo.num_minibatches",
+    "grpo.num_microbatches",
+    "grpo.val_pass_k",
+    "rollout.num_workers",
+    "rollout.max_new_tokens",
+    "rollout.prompt_bucket",
+    "checkpoint.keep_last",
+    "data.num_val_examples",
+    "data.num_terms",
+    "data.countdown_num_numbers",
+    "model.logprob_chunk_size",
+)
+"""Integer keys that must be >= 1."""
+AT_LEAST_ZERO = (
+    "grpo.val_period",
+    "checkpoint.save_period",
+    "rollout.max_staleness",
+    "rollout.max_worker_failures",
+    "optim.warmup_steps",
+    "data.max_operand",
+)
+"""Integer keys that must be >= 0 (0 = off for the periods)."""
+AT_MOST = (
+    ("grpo.seed", MAX_SEED),
+    ("data.max_operand", MAX_OPERAND),
+    ("data.num_terms", 64),
+    ("data.countdown_num_numbers", 16),
+    ("data.num_val_examples", MAX_VAL_EXAMPLES),
+    ("rollout.prompt_bucket", MAX_SEQUENCE),
+    ("rollout.max_new_tokens", MAX_SEQUENCE),
+    ("grpo.num_prompts_per_step", MAX_BATCH_ROWS),
+    ("grpo.num_generations_per_prompt", MAX_BATCH_ROWS),
+    ("grpo.val_pass_k", 1024),
+    ("rollout.num_workers", 4096),
+)
+"""Upper bounds: values past these are typos that would exhaust memory or time, not runs."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _get(cfg: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field rules of docs/losses.md and range checks; raises ConfigError."""
+    check_bounds(cfg)
+    check_data(cfg.data)
+    check_logging(cfg.logging)
+    check_grpo(cfg)
+    check_loss(cfg.loss)
+    check_advantage(cfg)
+    check_skip_flags(cfg)
+    check_rollout(cfg)
+    check_optim(cfg.optim)
+    check_lora(cfg.model.lora)
+    check_mesh(cfg.mesh)
+    check_dapo(cfg)
+    check_evaluation(cfg)
+    return cfg
+
+
+def check_bounds(cfg: Config) -> None:
+    """The tables above, then the seed and the batch's rows and tokens."""
+    for key in AT_LEAST_ONE:
+        value = _get(cfg, key)
+        _require(value >= 1, f"{key}: must be >= 1, got {value}")
+    for key in AT_LEAST_ZERO:
+        value = _get(cfg, key)
+        _require(value >= 0, f"{key}: must be >= 0, got {value}")
+    for key, high in AT_MOST:
+        value = _get(cfg, key)
+        _require(value <= high, f"{key}: must be <= {high}, got {value}")
+    g, ro = cfg.grpo, cfg.rollout
+    _require(g.seed >= 0, f"grpo.seed: must be >= 0, got {g.seed}")
+    seq = ro.prompt_bucket + ro.max_new_tokens
+    _require(
+        seq <= MAX_SEQUENCE,
+        f"rollout.prompt_bucket + rollout.max_new_tokens: must be <= {MAX_SEQUENCE}, got {seq}",
+    )
+    _require(
+        g.batch_size <= MAX_BATCH_ROWS,
+        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt: must be <= "
+        f"{MAX_BATCH_ROWS} rows, got {g.batch_size}",
+    )
+    _require(
+        g.batch_size * seq <= MAX_BATCH_TOKENS,
+        f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt x (rollout.prompt_bucket "
+        f"+ rollout.max_new_tokens): must be <= {MAX_BATCH_TOKENS} tokens, got "
+        f"{g.batch_size * seq}",
+    )
+
+
+def check_data(data: DataConfig) -> None:
+    """data: arithmetic operators, reward timeouts, reward function paths and names."""
+    _require(
+        set(data.operators) <= set("+-*") and data.operators != "",
+        f"data.operators: {data.operators!r} must be a non-empty subset of '+-*'",
+    )
+    _require(data.reward_timeout_s > 0, "data.reward_timeout_s: must be > 0")
+    _require(data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
+    labels: set[str] = set()
+    for i, rf in enumerate(data.reward_functions):
+        if isinstance(rf.function, str):
+            _require(
+                ":" in rf.function and all(rf.function.split(":", 1)),
+                f"data.reward_functions[{i}].function: {rf.function!r} must look like "
+                "module:function",
+            )
+        _require(
+            rf.label not in labels,
+            f"data.reward_functions[{i}].name: {rf.label!r} names two reward functions; "
+            "set a distinct name",
+        )
+        labels.add(rf.label)
+
+
+def check_logging(logging: LoggingConfig) -> None:
+    """logging: the sample rows per step."""
+    _require(logging.num_samples >= 0, "logging.num_samples: must be >= 0")
+
+
+def check_grpo(cfg: Config) -> None:
+    """grpo: the batch splits, group size, pass@k and the logprob-error threshold."""
+    g = cfg.grpo
+    _require(
+        g.batch_size % g.num_minibatches == 0,
+        f"grpo.num_minibatches: {g.num_minibatches} must divide the rollout batch "
+        f"P x G = {g.batch_size}",
+    )
+    _require(
+        (g.batch_size // g.num_minibatches) % g.num_microbatches == 0,
+        f"grpo.num_microbatches: {g.num_microbatches} must divide the minibatch of "
+        f"{g.batch_size // g.num_minibatches} rows",
+    )
+    _require(
+        g.num_generations_per_prompt >= 2 or g.advantage.estimator == "reinforce_plus_plus",
+        "grpo.num_generations_per_prompt: group baselines need at least 2 generations",
+    )
+    _require(
+        g.val_pass_k == 1 or cfg.rollout.temperature > 0,
+        "grpo.val_pass_k: pass@k with k > 1 needs rollout.temperature > 0",
+    )
+    if g.seq_logprob_error_threshold is not None:
+        _require(
+            g.seq_logprob_error_threshold >= 1.0,
+            "grpo.seq_logprob_error_threshold: must be >= 1.0 (e_b >= 1 always) or null",
+        )
+
+
+def check_loss(loss: LossConfig) -> None:
+    """loss: clip and KL ranges, the ratio modes that exclude each other, truncated IS."""
+    _require(0 <= loss.ratio_clip_min < 1, "loss.ratio_clip_min: must lie in [0, 1)")
+    _require(loss.ratio_clip_max >= 0, "loss.ratio_clip_max: must be >= 0")
+    _require(
+        loss.ratio_clip_c is None or loss.ratio_clip_c > 1,
+        "loss.ratio_clip_c: the dual-clip constant must be > 1 (or null)",
+    )
+    _require(
+        loss.reference_policy_kl_penalty >= 0, "loss.reference_policy_kl_penalty: must be >= 0"
+    )
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = getattr(loss, key)
+        _require(value is None or value > 0, f"loss.{key}: must be > 0 (or null)")
+    _require(
+        loss.generation_budget is None or loss.generation_budget >= 1,
+        f"loss.generation_budget: must be >= 1 (or null), got {loss.generation_budget}",
+    )
+    _require(
+        not (loss.disable_ppo_ratio and loss.force_on_policy_ratio),
+        "loss.disable_ppo_ratio and loss.force_on_policy_ratio: choose at most one",
+    )
+    _require(
+        not (loss.sequence_level_importance_ratios and loss.aggregation == "token_mean"),
+        "loss.sequence_level_importance_ratios (GSPO): needs loss.aggregation seq_mean or "
+        "seq_sum_norm, not token_mean",
+    )
+    _require(
+        not (loss.sequence_level_importance_ratios and loss.force_on_policy_ratio),
+        "loss.sequence_level_importance_ratios: incompatible with loss.force_on_policy_ratio",
+    )
+    _require(
+        not (
+            loss.sequence_level_importance_ratios
+            and loss.truncated_importance_sampling_type == "seq-mask-tis"
+        ),
+        "loss.truncated_importance_sampling_type: seq-mask-tis is incompatible with "
+        "loss.sequence_level_importance_ratios (GSPO truncates its per-row weight with tis or "
+        "icepop)",
+    )
+    check_truncated_importance_sampling(loss)
+
+
+def check_truncated_importance_sampling(loss: LossConfig) -> None:
+    """loss.truncated_importance_sampling_*: needs IS correction and a ratio; min <= max."""
+    if loss.truncated_importance_sampling_type is not None:
+        _require(
+            loss.use_importance_sampling_correction,
+            "loss.truncated_importance_sampling_type: needs "
+            "loss.use_importance_sampling_correction=true",
+        )
+        _require(
+            loss.truncated_importance_sampling_ratio is not None,
+            "loss.truncated_importance_sampling_ratio: required when "
+            "loss.truncated_importance_sampling_type is set",
+        )
+    hi, lo = loss.truncated_importance_sampling_ratio, loss.truncated_importance_sampling_ratio_min
+    _require(hi is None or hi > 0, "loss.truncated_importance_sampling_ratio: must be > 0")
+    _require(lo is None or lo >= 0, "loss.truncated_importance_sampling_ratio_min: must be >= 0")
+    _require(
+        hi is None or lo is None or lo <= hi,
+        f"loss.truncated_importance_sampling_ratio_min ({lo}) must be <= "
+        f"loss.truncated_importance_sampling_ratio ({hi})",
+    )
+
+
+def check_advantage(cfg: Config) -> None:
+    """grpo.advantage: the clip order, and what loss.use_kl_in_reward needs."""
+    adv, loss = cfg.grpo.advantage, cfg.loss
+    clo, chi = adv.advantage_clip_low, adv.advantage_clip_high
+    _require(
+        clo is None or chi is None or clo < chi,
+        f"grpo.advantage.advantage_clip_low ({clo}) must be < advantage_clip_high ({chi})",
+    )
+    if loss.use_kl_in_reward:
+        _require(
+            adv.estimator == "reinforce_plus_plus",
+            f"loss.use_kl_in_reward: only grpo.advantage.estimator=reinforce_plus_plus uses "
+            f"it; {adv.estimator!r} would silently drop the KL",
+        )
+        _require(
+            loss.reference_policy_kl_penalty > 0,
+            "loss.use_kl_in_reward: needs loss.reference_policy_kl_penalty > 0",
+        )
+        _require(
+            not cfg.skip_prev,
+            "loss.use_kl_in_reward: incompatible with loss.force_on_policy_ratio (the prev "
+            "forward is skipped, the KL would use a placeholder)",
+        )
+
+
+def check_skip_flags(cfg: Config) -> None:
+    """The skipped forwards: the reference skip and loss.force_on_policy_ratio."""
+    g, loss = cfg.grpo, cfg.loss
+    if g.skip_reference_policy_logprobs_calculation:
+        _require(
+            loss.reference_policy_kl_penalty == 0,
+            "grpo.skip_reference_policy_logprobs_calculation: requires "
+            "loss.reference_policy_kl_penalty == 0",
+        )
+    if loss.force_on_policy_ratio:
+        _require(
+            g.num_minibatches == 1,
+            "loss.force_on_policy_ratio: requires exactly one optimizer step per rollout "
+            f"batch (grpo.num_minibatches=1, got {g.num_minibatches})",
+        )
+        _require(
+            cfg.rollout.max_staleness == 0,
+            "loss.force_on_policy_ratio: incompatible with rollout.max_staleness > 0",
+        )
+        if g.seq_logprob_error_threshold is not None:
+            warnings.warn(
+                "loss.force_on_policy_ratio with grpo.seq_logprob_error_threshold: the threshold "
+                "needs real prev logprobs, so the prev forward is computed anyway",
+                stacklevel=3,  # the caller of validate
+            )
+
+
+def check_rollout(cfg: Config) -> None:
+    """rollout: worker resources, sampling ranges, what async and many workers need."""
+    ro = cfg.rollout
+    for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+        value = getattr(ro, key)
+        _require(value is None or value >= 0, f"rollout.{key}: must be >= 0 (or null)")
+    _require(ro.temperature >= 0, "rollout.temperature: must be >= 0")
+    _require(0 < ro.top_p <= 1, "rollout.top_p: must lie in (0, 1]")
+    _require(ro.top_k is None or ro.top_k >= 1, "rollout.top_k: must be >= 1 (or null)")
+    if ro.max_staleness > 0:
+        _require(
+            cfg.loss.use_importance_sampling_correction,
+            "rollout.max_staleness > 0 (async): requires "
+            "loss.use_importance_sampling_correction=true",
+        )
+    _require(
+        ro.backend == "ray" or ro.max_staleness == 0,
+        "rollout.max_staleness > 0: async generation needs rollout.backend=ray",
+    )
+    _require(
+        ro.backend == "ray" or ro.num_workers == 1,
+        "rollout.num_workers: > 1 needs rollout.backend=ray",
+    )
+
+
+def check_optim(opt: OptimConfig) -> None:
+    """optim: AdamW's ranges and the clip norm."""
+    _require(opt.learning_rate > 0, "optim.learning_rate: must be > 0")
+    _require(0 <= opt.b1 < 1 and 0 <= opt.b2 < 1, "optim.b1 / optim.b2: must lie in [0, 1)")
+    _require(opt.eps > 0, "optim.eps: must be > 0")
+    _require(opt.weight_decay >= 0, "optim.weight_decay: must be >= 0")
+    _require(
+        opt.max_grad_norm is None or opt.max_grad_norm > 0,
+        "optim.max_grad_norm: must be > 0 (or null)",
+    )
+
+
+def check_lora(lora: LoRAConfig) -> None:
+    """model.lora: rank, alpha and the target modules."""
+    _require(lora.rank >= 0, f"model.lora.rank: must be >= 0 (0 = off), got {lora.rank}")
+    _require(lora.alpha > 0, f"model.lora.alpha: must be > 0, got {lora.alpha}")
+    _require(
+        lora.rank == 0 or len(lora.target_modules) > 0,
+        "model.lora.target_modules: needs at least one module when model.lora.rank > 0",
+    )
+    _require(
+        len(set(lora.target_modules)) == len(lora.target_modules),
+        f"model.lora.target_modules: {list(lora.target_modules)} names a module twice",
+    )
+
+
+def check_mesh(mesh: MeshConfig) -> None:
+    """mesh: axis sizes, at most one of them -1."""
+    for key in ("data", "fsdp", "tensor"):
+        value = getattr(mesh, key)
+        _require(value == -1 or value >= 1, f"mesh.{key}: must be >= 1 or -1, got {value}")
+    _require(
+        [mesh.data, mesh.fsdp, mesh.tensor].count(-1) <= 1,
+        "mesh: at most one of mesh.data / mesh.fsdp / mesh.tensor may be -1",
+    )
+
+
+def check_dapo(cfg: Config) -> None:
+    """The DAPO keys: overlong buffer, dynamic sampling (docs/dapo.md)."""
+    g, ro = cfg.grpo, cfg.rollout
+    ob = g.overlong_buffer
+    if ob is not None:
+        _require(
+            1 <= ob.length <= ro.max_new_tokens,
+            f"grpo.overlong_buffer.length: must lie in [1, rollout.max_new_tokens = "
+            f"{ro.max_new_tokens}], got {ob.length}",
+        )
+        _require(ob.penalty >= 0, f"grpo.overlong_buffer.penalty: must be >= 0, got {ob.penalty}")
+    _require(
+        1 <= g.dynamic_sampling_max_gen_batches <= 1024,
+        "grpo.dynamic_sampling_max_gen_batches: must lie in [1, 1024], got "
+        f"{g.dynamic_sampling_max_gen_batches}",
+    )
+    _require(
+        g.batch_multiplier >= 1 and g.gen_prompts_per_batch <= MAX_BATCH_ROWS,
+        f"grpo.batch_multiplier: must be >= 1 (and P x it <= {MAX_BATCH_ROWS}), got "
+        f"{g.batch_multiplier}",
+    )
+    _require(
+        g.use_dynamic_sampling or g.batch_multiplier == 1,
+        "grpo.batch_multiplier: > 1 needs grpo.use_dynamic_sampling=true",
+    )
+    if g.use_dynamic_sampling:
+        _require(
+            ro.max_staleness == 0,
+            "grpo.use_dynamic_sampling: needs rollout.max_staleness 0 (the extra prompts of a "
+            "step are drawn after it is collected)",
+        )
+        _require(
+            g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
+            "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
+        )
+
+
+def check_evaluation(cfg: Config) -> None:
+    """n validation samples, the pass@k list, the named validation sets (docs/dapo.md)."""
+    g, ro = cfg.grpo, cfg.rollout
+    n = g.val_num_generations
+    _require(1 <= n <= 1024, f"grpo.val_num_generations: must lie in [1, 1024], got {n}")
+    for k in g.val_pass_at:
+        _require(
+            1 <= k <= n, f"grpo.val_pass_at: k = {k} must lie in [1, val_num_generations = {n}]"
+        )
+    t = ro.val_temperature
+    _require(
+        n == 1 or (t if t is not None else ro.temperature) > 0,
+        "rollout.val_temperature: the val_num_generations samples need a temperature > 0",
+    )
+    names = [name for name, _ in cfg.data.val_sets]
+    for name in names:
+        _require(
+            name.replace("_", "").replace("-", "").isalnum()
+            and name != "val"
+            and names.count(name) == 1,
+            f"data.val_sets: name {name!r} must be unique, not 'val', letters/digits/_/- only",
+        )

@@ -1,0 +1,407 @@
+"""The schema of a jgrpo run: the frozen, documented dataclass sections and ConfigError.
+
+Every section is a ``@dataclass(frozen=True, kw_only=True)`` whose fields carry a one-line
+docstring directly under them (read back by ``jgrpo.config.field_docs`` for
+``--show-config``). Defaults are right for a real run; tiny sizes live in
+``configs/tiny*.yaml``. Derived values (``skip_prev``, ``skip_ref``, batch sizes) are
+properties, never fields. Cross-field rules live in ``jgrpo.config.rules``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal, Optional, Union
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: the message is one line naming the dotted key."""
+
+
+_FROZEN = dict(frozen=True, kw_only=True)
+
+
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LoRAConfig:
+    """LoRA: train low-rank adapters of the projections; the base stays frozen (and is the
+    reference policy: the forward without adapters)."""
+
+    rank: int = 0
+    """r: adapter rank (0 = off: full fine-tuning)."""
+    alpha: float = 16.0
+    """Adapter updates are scaled by alpha / rank (PEFT's lora_alpha)."""
+    target_modules: tuple[LoRATarget, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Projections (PEFT/HF module names) that get adapters; default all attention and MLP."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ModelConfig:
+    """The policy model (and its reference copy)."""
+
+    path: str = "builtin:tiny-qwen2"
+    """HF folder, `smollm2` (converted SmolLM2-135M-Instruct) or `builtin:tiny-qwen2`."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Activation/matmul dtype; auto = bfloat16 on GPU/TPU or with dtype bfloat16, else float32."""
+    remat: Literal["none", "full", "dots"] = "full"
+    """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
+    logprob_chunk_size: int = 128
+    """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+    kernels: Literal["auto", "cpu", "portable"] = "auto"
+    """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
+    lora: LoRAConfig = LoRAConfig()
+    """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
+
+    def resolved_compute_dtype(self, platform: str) -> str:
+        """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        if self.dtype == "bfloat16" or platform != "cpu":
+            return "bfloat16"
+        return "float32"
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RewardFunctionConfig:
+    """One weighted reward term (see `jgrpo.tasks.rewards` for the signature and None rule)."""
+
+    function: Union[str, Callable[..., Any]]
+    """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
+    weight: float = 1.0
+    """Multiplier of this term in the total reward."""
+    name: Optional[str] = None
+    """Metric name (`reward/<name>/mean`); None = the function's name."""
+    per_sample: bool = False
+    """Old form: fn(prompt, completion, example) -> float, called once per sample."""
+
+    @property
+    def label(self) -> str:
+        """The metric name: `name`, else the function's __name__ (the part after `:`)."""
+        if self.name:
+            return self.name
+        if isinstance(self.function, str):
+            return self.function.rpartition(":")[2].rpartition(".")[2]
+        return getattr(self.function, "__name__", type(self.function).__name__)
+
+
+@dataclasses.dataclass(**_FROZEN)
+class DataConfig:
+    """The task: where prompts come from and how completions are scored."""
+
+    task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
+    """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
+    train_path: Optional[str] = None
+    """A JSONL/JSON/Parquet/CSV file, datasets folder or cached HF dataset id; None = generated."""
+    val_path: Optional[str] = None
+    """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    prompt_key: str = "prompt"
+    """Task prompts: column holding a prompt string or a list of chat messages."""
+    num_val_examples: int = 200
+    """Held-out examples used for validation accuracy."""
+    question_key: str = "question"
+    """Field of a record holding the question (gsm8k / file data)."""
+    answer_key: str = "answer"
+    """Field of a record holding the reference answer."""
+    num_terms: int = 2
+    """Arithmetic: operands per expression."""
+    max_operand: int = 99
+    """Arithmetic: operands are drawn from [0, max_operand]."""
+    operators: str = "+-"
+    """Arithmetic: characters drawn as operators, a subset of `+-*`."""
+    countdown_num_numbers: int = 3
+    """Countdown: how many source numbers per puzzle."""
+    use_chat_template: bool = True
+    """Wrap prompts in the tokenizer's chat template when it has one."""
+    system_prompt: Optional[str] = None
+    """Optional system message for chat prompts."""
+    reward_functions: tuple[RewardFunctionConfig, ...] = ()
+    """Extra weighted reward terms added to the task's own verifier reward."""
+    task_reward_weight: float = 1.0
+    """Weight of the built-in task verifier's reward (0 = only custom rewards)."""
+    reward_timeout_s: float = 5.0
+    """A reward call running past this scores 0 and is counted in metrics."""
+    reward_import_timeout_s: float = 60.0
+    """Importing the reward functions at start-up may take this long (then a ConfigError)."""
+    shuffle: bool = True
+    """Reshuffle training examples every epoch (seeded by grpo.seed)."""
+    val_sets: tuple[tuple[str, str], ...] = ()
+    """More named held-out sets {name: path} (same formats and task), logged as val/<name>/."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class AdvantageConfig:
+    """How rewards become advantages (docs/losses.md, Advantages)."""
+
+    estimator: Literal["grpo", "dr_grpo", "reinforce_plus_plus"] = "grpo"
+    """grpo: group baseline (+ std); dr_grpo: no std; reinforce_plus_plus: global whitening."""
+    normalize_rewards: bool = True
+    """grpo: divide by the Bessel std + 1e-6 (leave-one-out: the others' std; 0 = no division)."""
+    use_leave_one_out_baseline: bool = False
+    """Baseline is the mean of the other group members instead of the whole group."""
+    advantage_clip_low: Optional[float] = None
+    """Lower clamp on advantages (None = off)."""
+    advantage_clip_high: Optional[float] = None
+    """Upper clamp on advantages (None = off)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Eq. 13), added to the reward as its own term."""
+
+    length: int
+    """L_cache: completions longer than rollout.max_new_tokens - length are penalised."""
+    penalty: float = 1.0
+    """reward += min(-(L - (Lmax - length)) / length * penalty, 0), Lmax = max_new_tokens."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class GRPOConfig:
+    """The outer GRPO loop."""
+
+    num_prompts_per_step: int = 32
+    """P: prompts per rollout batch."""
+    num_generations_per_prompt: int = 8
+    """G: completions per prompt (group size)."""
+    max_num_steps: int = 100
+    """Training steps (one rollout batch each)."""
+    num_minibatches: int = 1
+    """Optimizer steps per rollout batch (>1 = off-policy updates against prev logprobs)."""
+    num_microbatches: int = 1
+    """Gradient-accumulation chunks per optimizer step (does not change the math)."""
+    val_period: int = 10
+    """Validate every this many steps (0 = off)."""
+    val_at_start: bool = True
+    """Validate before the first step."""
+    val_at_end: bool = True
+    """Validate after the last step."""
+    val_pass_k: int = 1
+    """k of pass@k at validation (1 = greedy accuracy)."""
+    val_num_generations: int = 1
+    """n samples per held-out example at rollout.val_temperature (1 = off): mean@n, maj@n."""
+    val_pass_at: tuple[int, ...] = (1,)
+    """k values of the unbiased pass@k from the n samples (each k <= val_num_generations)."""
+    seed: int = 42
+    """Seeds data order, sampling and init."""
+    seq_logprob_error_threshold: Optional[float] = None
+    """Mask rows whose sequence logprob error e_b exceeds this (None = off)."""
+    skip_reference_policy_logprobs_calculation: bool = False
+    """Explicitly skip the reference forward (requires loss.reference_policy_kl_penalty == 0)."""
+    advantage: AdvantageConfig = AdvantageConfig()
+    """Advantage estimator."""
+    overlong_buffer: Optional[OverlongBufferConfig] = None
+    """DAPO overlong reward shaping {length, penalty} (None = off; docs/dapo.md)."""
+    use_dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop all-equal groups, generate more until P informative ones."""
+    dynamic_sampling_max_gen_batches: int = 10
+    """Generation batches per step at most (the first included) before giving up."""
+    dynamic_sampling_on_exhausted: Literal["warn", "raise"] = "warn"
+    """Past max_gen_batches: warn (one line) and train on the groups there are, or raise."""
+    dynamic_sampling_filter: Literal["reward", "correct"] = "reward"
+    """Informative = the unshaped reward (or the verifier's correct) is not all equal."""
+    batch_multiplier: float = 1.0
+    """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
+
+    @property
+    def gen_prompts_per_batch(self) -> int:
+        """Prompts per generation batch: P, or ceil(P x batch_multiplier) with dynamic sampling."""
+        return math.ceil(self.num_prompts_per_step * self.batch_multiplier)
+
+    @property
+    def batch_size(self) -> int:
+        """B = P x G rows per rollout batch."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LossConfig:
+    """The clipped policy-gradient loss (docs/losses.md; NeMo-RL ClippedPGLossFn names)."""
+
+    ratio_clip_min: float = 0.2
+    """eps_low: r is clipped below at 1 - ratio_clip_min."""
+    ratio_clip_max: float = 0.2
+    """eps_high: r is clipped above at 1 + ratio_clip_max."""
+    ratio_clip_c: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None = off)."""
+    disable_ppo_ratio: bool = False
+    """REINFORCE: the surrogate is -A * logprob, no ratio."""
+    force_on_policy_ratio: bool = False
+    """Ratio = exp(lp - stop_grad(lp)); the prev forward is dropped from the step."""
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per row from the mean token log-ratio (and a per-row IS weight)."""
+    aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
+    """token_mean: / N_tok; seq_mean: per-row mean then / N_seq; seq_sum_norm: / (N_seq * S_max)."""
+    generation_budget: Optional[int] = None
+    """S_max of seq_sum_norm (null = rollout.max_new_tokens, filled in by the train step)."""
+    reference_policy_kl_penalty: float = 0.0
+    """beta: weight of the KL penalty to the reference (0 = no reference forward)."""
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    kl_input_clamp_value: Optional[float] = 20.0
+    """Clamp of x = lr - lp before the estimator (None = off)."""
+    kl_output_clamp_value: Optional[float] = 10.0
+    """Clamp of the per-token KL value (None = off)."""
+    use_on_policy_kl_approximation: bool = False
+    """Weight the KL by exp(lp - lg) (with gradient) before the output clamp, not by 1."""
+    use_kl_in_reward: bool = False
+    """reinforce_plus_plus: subtract beta * KL from the token rewards; loss beta becomes 0."""
+    use_importance_sampling_correction: bool = False
+    """Weight tokens by exp(lo - lg) against the sampler's logprobs (required in async mode)."""
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    """Truncation of the IS weight (None = none)."""
+    truncated_importance_sampling_ratio: Optional[float] = None
+    """Upper bound of the IS weight for truncation."""
+    truncated_importance_sampling_ratio_min: Optional[float] = None
+    """Lower bound of the IS weight for truncation (None = 0)."""
+    overlong_filtering: bool = False
+    """DAPO: truncated rows (no stop token) get sample_mask 0; they stay in the group stats."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class OptimConfig:
+    """AdamW with a schedule and global-norm clipping."""
+
+    learning_rate: float = 1e-6
+    """Peak learning rate."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warmup, over grpo.max_num_steps * grpo.num_minibatches updates."""
+    warmup_steps: int = 0
+    """Linear warmup updates."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    b1: float = 0.9
+    """Adam beta1."""
+    b2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    max_grad_norm: Optional[float] = 1.0
+    """Global gradient-norm clip (None = off)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class RolloutConfig:
+    """Generation: sampler settings and where it runs."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: in-process sampler on the trainer's params; ray: RolloutWorker actors."""
+    num_workers: int = 1
+    """Ray: RolloutWorker actors."""
+    max_staleness: int = 0
+    """0 = sync (on-policy); k >= 1 = async, batches at most k weight versions old."""
+    ray_address: Optional[str] = None
+    """Ray cluster to join (None = start a quiet local one)."""
+    max_worker_failures: int = 3
+    """Ray: worker restarts allowed before the run stops (after a checkpoint)."""
+    num_cpus_per_worker: Optional[float] = None
+    """Ray: CPUs reserved per RolloutWorker (None = the cluster's CPUs shared out)."""
+    num_gpus_per_worker: Optional[float] = None
+    """Ray: GPUs per RolloutWorker, fractional allowed (None = the cluster's GPUs shared out)."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy); training logits are divided by it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: Optional[int] = None
+    """Keep the k most likely tokens (None = off)."""
+    val_temperature: Optional[float] = None
+    """Temperature of the n validation samples (None = rollout.temperature)."""
+    max_new_tokens: int = 256
+    """Completion length cap; rows hitting it are truncated."""
+    prompt_bucket: int = 32
+    """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class MeshConfig:
+    """Device mesh and the logical -> mesh axis rules."""
+
+    data: int = -1
+    """Data-parallel axis size (-1 = the remaining devices)."""
+    fsdp: int = 1
+    """Fully-sharded axis size: parameters and optimizer state are split over it."""
+    tensor: int = 1
+    """Tensor-parallel axis size (heads, mlp, vocab)."""
+    rules: tuple[tuple[str, Optional[str]], ...] = ()
+    """Overrides of the logical-axis rules, e.g. [[embed, null]]."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class CheckpointConfig:
+    """Orbax checkpoints of the whole run state."""
+
+    save_period: int = 0
+    """Save every this many steps (0 = off)."""
+    keep_last: int = 3
+    """Checkpoints kept; older ones are deleted."""
+    export_hf: bool = False
+    """Also write the policy as an HF folder RUN_DIR/hf/step_<N>/ at each checkpoint."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class LoggingConfig:
+    """Metric sinks."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events to RUN_DIR/tb."""
+    wandb: bool = False
+    """Log to Weights & Biases (only when installed)."""
+    wandb_project: str = "jgrpo"
+    """W&B project name."""
+    progress_bar: bool = True
+    """Show a progress bar on stderr."""
+    plot: bool = True
+    """Write PNG curves at the end of the run."""
+    num_samples: int = 4
+    """Prompt/completion/reward rows per step to RUN_DIR/samples.jsonl and TB/W&B (0 = off)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
+class Config:
+    """A whole jgrpo run."""
+
+    model: ModelConfig = ModelConfig()
+    """Policy model."""
+    data: DataConfig = DataConfig()
+    """Task and rewards."""
+    grpo: GRPOConfig = GRPOConfig()
+    """GRPO loop."""
+    loss: LossConfig = LossConfig()
+    """Policy loss."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Generation."""
+    mesh: MeshConfig = MeshConfig()
+    """Devices."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metric sinks."""
+
+    @property
+    def skip_prev(self) -> bool:
+        """The prev-logprob forward is absent (docs/losses.md: the threshold needs real lo)."""
+        return self.loss.force_on_policy_ratio and self.grpo.seq_logprob_error_threshold is None
+
+    @property
+    def skip_ref(self) -> bool:
+        """The reference forward is absent: no KL penalty (or an explicit skip)."""
+        return (
+            self.loss.reference_policy_kl_penalty == 0.0
+            or self.grpo.skip_reference_policy_logprobs_calculation
+        )
+
+    def replace(self, **kw) -> Config:
+        return dataclasses.replace(self, **kw)

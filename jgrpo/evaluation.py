@@ -1,0 +1,77 @@
+"""Validation metrics of a policy on every held-out set: what training logs and `jgrpo eval` prints.
+
+Per set (the task's `val`, logged as `val/...`, and each data.val_sets entry, `val/<name>/...`):
+- greedy (or grpo.val_pass_k samples: any correct) `accuracy`, `reward_mean`, `length_mean`;
+- with grpo.val_num_generations n > 1, n samples per example at rollout.val_temperature:
+  `mean@n` (mean correctness), `pass@k` for k in grpo.val_pass_at (the unbiased estimator
+  1 - C(n - c, k) / C(n, k) of Chen et al. 2021 with c correct of n, averaged over examples)
+  and `maj@n` (majority vote over the verifier's extracted answers, `majority_correct`).
+Tasks without a verifier get the reward and length metrics only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from jgrpo.config import Config
+from jgrpo.rollout import RolloutResult, validation_metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one example: c of n samples correct, k <= n (exact integers)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(votes_n, correct_n) -> bool:
+    """maj@n of one example: the answer most samples gave (votes, -1 = no answer, which does
+    not vote) is correct. Ties go to the tied answer first given in sample order (as
+    `collections.Counter.most_common`); no answer at all counts as wrong."""
+    votes = [int(v) for v in votes_n]
+    counts = Counter(v for v in votes if v != -1)
+    if not counts:
+        return False
+    winner = counts.most_common(1)[0][0]
+    return bool(correct_n[votes.index(winner)])
+
+
+def sampled_metrics(result: RolloutResult, num_examples: int, n: int, ks) -> dict[str, float]:
+    """mean@n, pass@k, maj@n of n example-major samples per example (no prefix)."""
+    if "correct" not in result.batch:
+        return {f"reward_mean@{n}": float(result.batch["rewards"].mean())}
+    correct = result.batch["correct"].reshape(num_examples, n)
+    c = correct.sum(axis=1)
+    out = {f"mean@{n}": float(correct.mean())}
+    for k in ks:
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(ci), k) for ci in c]))
+    if "vote_ids" in result.batch:
+        votes = result.batch["vote_ids"].reshape(num_examples, n)
+        out[f"maj@{n}"] = float(np.mean([majority_correct(v, r) for v, r in zip(votes, correct)]))
+    return out
+
+
+def validate_all(cfg: Config, backend, task, step: int) -> dict[str, float]:
+    """Every set's metrics (module docstring) with the backend's current weights."""
+    g = cfg.grpo
+    sets = [("val", task.val), *task.val_sets.items()]
+    metrics: dict[str, float] = {}
+    for name, examples in sets:
+        prefix = "val/" if name == "val" else f"val/{name}/"
+        result = backend.evaluate(examples, step, pass_k=g.val_pass_k)
+        for key, value in validation_metrics(result, len(examples), g.val_pass_k).items():
+            metrics[prefix + key.removeprefix("val/")] = value
+        if g.val_num_generations > 1:
+            n = g.val_num_generations
+            result = backend.evaluate(examples, step, pass_k=n)
+            for key, value in sampled_metrics(result, len(examples), n, g.val_pass_at).items():
+                metrics[prefix + key] = value
+    return metrics
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """One `key value` line per metric, sets in order."""
+    return "\n".join(f"{key:32s} {value:.4f}" for key, value in metrics.items())
