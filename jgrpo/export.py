@@ -143,6 +143,11 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
         folder = policy_folder(cfg.model)
         model = load_policy(cfg.model, folder, adapters=False)
     graphdef, state = nnx.split(model)
+    if any(rf.model is not None for rf in cfg.data.reward_functions):
+        from jgrpo import sharding
+        from jgrpo.models.reward_model import load_reward_models
+
+        task.attach_reward_models(load_reward_models(cfg, sharding.make_mesh(cfg.mesh)))
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     backend.publish(nnx.to_pure_dict(state), 0)

@@ -17,6 +17,7 @@ laptop; a model.path folder holding only config.json is enough. JSON keys:
   alone with LoRA); `argument_bytes_per_device`: the compiled step's arguments (state, batch,
   reference, frozen base); `temp_bytes_per_device`: XLA's temporaries of the compiled step;
   `peak_bytes_per_device_estimate`: arguments + outputs - donated aliases + temporaries.
+- `reward_model_bytes_per_device`: the reward models' frozen parameters (0 without any).
 - `kv_cache_bytes` / `kv_cache_bytes_per_device`: the sampler's KV cache for one rollout batch,
   and its share when the rows are split over the mesh's batch axes (data x fsdp).
 - `forwards` / `forwards_traced`: the named forwards present in the compiled program and in the
@@ -205,6 +206,30 @@ def kv_cache_bytes(cfg: Config, model_cfg) -> int:
     return cfg.grpo.batch_size * slots * per_slot * model_cfg.jnp_dtype.itemsize
 
 
+def reward_model_bytes(cfg: Config, mesh) -> int:
+    """Bytes per device of every reward model's frozen parameters (data.reward_functions[i]
+    .model), placed as the trainer places them; a folder holding only config.json is enough."""
+    from pathlib import Path
+
+    from jgrpo import sharding
+    from jgrpo.models.reward_model import abstract_params, reward_model_config
+    from jgrpo.models.sources import resolve_model_path
+
+    total, rules = 0, sharding.make_rules(cfg.mesh)
+    for rf in cfg.data.reward_functions:
+        if rf.model is None:
+            continue
+        folder = Path(rf.model)
+        if not (folder / "config.json").is_file():
+            folder = resolve_model_path(rf.model)
+        dtype = rf.dtype
+        if dtype == "auto":
+            dtype = cfg.model.resolved_compute_dtype(jax.default_backend())
+        model_cfg = reward_model_config(folder, dtype, cfg.model.kernels)
+        total += bytes_per_device(abstract_params(model_cfg, sharding.host_mesh(mesh), rules))
+    return total
+
+
 def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
@@ -234,6 +259,7 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
         "kv_cache_bytes": kv,
         "kv_cache_bytes_per_device": kv // batch_devices,
         "flops_analytic": analytic_flops(cfg, model_cfg)["step"],
+        "reward_model_bytes_per_device": reward_model_bytes(cfg, built.mesh),
     }
     if compile:
         args = built.abstract_args()

@@ -119,6 +119,10 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
     built = step_setup.build_step(cfg, model)
     state = built.state
+    if any(rf.model is not None for rf in cfg.data.reward_functions):
+        from jgrpo.models.reward_model import load_reward_models
+
+        task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)
     start = 0
