@@ -462,7 +462,7 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     import jax
     from flax import nnx
 
-    from jgrpo import step
+    from jgrpo import optimizer, step_setup
     from jgrpo.checkpoint import Checkpointer
     from jgrpo.config import load_config, to_dict
     from jgrpo.models import from_pretrained
@@ -476,7 +476,8 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     model = from_pretrained(resolve_model_path(cfg.model.path))
     params = jax.tree.map(lambda x: x + 0.25, nnx.to_pure_dict(nnx.state(model)))
     with Checkpointer(run / "checkpoints") as ckpt:
-        ckpt.save(2, step.init_train_state(params, step.make_optimizer(cfg)), {"step": 2})
+        state = step_setup.init_train_state(params, optimizer.make_optimizer(cfg))
+        ckpt.save(2, state, {"step": 2})
 
     out = tmp_path / "out"  # an older sharded export: loading it would give the OLD weights
     out.mkdir()

@@ -333,7 +333,8 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     """The step's reference forward (the LoRA model, adapters skipped) = the base model's."""
     from conftest import ROLLOUT_BATCH_BUCKET
 
-    from jgrpo import sharding, step
+    from jgrpo import sharding, step, step_setup
+    from jgrpo.batch import TrainBatch
     from jgrpo.config import load_config
     from jgrpo.models import load_policy
 
@@ -342,9 +343,9 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
     randomize_adapters(model, std=0.3)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    built = step.build_step(cfg, model, mesh=mesh)
-    batch = {k: jnp.asarray(v) for k, v in rollout_batch.items()}
-    batch["input_ids"] = batch["input_ids"] % base.cfg.vocab_size
+    built = step_setup.build_step(cfg, model, mesh=mesh)
+    batch = TrainBatch(**rollout_batch)
+    batch = batch.replace(input_ids=batch.input_ids % base.cfg.vocab_size)
     hp = built.hparams
 
     @jax.jit
@@ -357,13 +358,19 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     data, _ = prepared(built.state.params, built.frozen, batch)
     base_graphdef, base_state = nnx.split(base)
     first = built.flags.first_scored  # the step computes no logits for the prompt columns
-    want = jax.jit(step.sequence_logprobs, static_argnums=(4, 5))(
-        base_graphdef, nnx.to_pure_dict(base_state), batch, hp["temperature"], True, first
+    want = jax.jit(step.sequence_logprobs, static_argnums=(5, 6))(
+        base_graphdef,
+        nnx.to_pure_dict(base_state),
+        batch.input_ids,
+        batch.attention_mask,
+        hp.temperature,
+        True,
+        first,
     )
     assert first == 5 and not np.asarray(want[:, :first]).any()
-    np.testing.assert_array_equal(data["reference_logprobs"], want)
+    np.testing.assert_array_equal(data.reference_logprobs, want)
     # and the policy (prev) forward does use the adapters
-    assert np.abs(np.asarray(data["prev_logprobs"] - want)).max() > 1e-2
+    assert np.abs(np.asarray(data.prev_logprobs - want)).max() > 1e-2
 
 
 LORA_RUN = [*QUIET, *LORA8, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
@@ -447,7 +454,7 @@ def lora_step_on(mesh_shape, overrides):
 
     from conftest import ROLLOUT_BATCH_BUCKET, make_rollout_batch
 
-    from jgrpo import sharding, step
+    from jgrpo import sharding, step, step_setup
     from jgrpo.batch import TrainBatch
     from jgrpo.config import load_config
     from jgrpo.models import Transformer, TransformerConfig
@@ -468,7 +475,7 @@ def lora_step_on(mesh_shape, overrides):
     spec = LoRASpec(rank=8, alpha=16.0, target_modules=ALL)
     model = attach_lora(model, spec, jax.random.key(0))
     randomize_adapters(model, std=0.05)  # B != 0: the policy differs from the reference
-    built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
     batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
     shard = built.state.params["lora"]["q_lora_b"].addressable_shards[0].data.shape
     flags, graphdef, hp = built.flags, built.graphdef, built.hparams

@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
-from jgrpo import losses, sharding, step, train
+from jgrpo import losses, optimizer, sharding, step, step_setup, train
 from jgrpo.config import ConfigError, MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import Transformer, TransformerConfig
@@ -173,7 +173,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     head = shardings["embed" if tied else "lm_head"]
     logits = sharding.logit_shardings(mesh, head, cfg.vocab_size)
     assert logits.head_vd is not None  # 128 divides 8: the vocab-parallel layout is in use
-    graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
+    graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
     params = nnx.to_pure_dict(nnx.state(model))
     batch = make_rollout_batch(3)  # 16 rows (2 per device), T = 14
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
@@ -185,7 +185,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
 
     # the reference runs the layers with the same rows per device, so only the head's layout
     # differs (dots of other shapes round differently in float32: not what is tested here)
-    ref_graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
+    ref_graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
 
     def reference(p):
         m = nnx.merge(ref_graphdef, p)
@@ -263,5 +263,8 @@ def test_schedule_values_by_hand():
         flags = step.StepFlags.from_config(
             base.replace(optim=base.optim.__class__(**{**vars(base.optim), "schedule": schedule}))
         )
-        values = [float(step.make_schedule(flags)(i)) for i in range(11)]
+        multiplier = optimizer.make_schedule(
+            flags.schedule, flags.warmup_steps, flags.total_updates
+        )
+        values = [float(multiplier(i)) for i in range(11)]
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)

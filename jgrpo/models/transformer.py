@@ -267,7 +267,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, init_scale: float = 0.02):
         self.cfg = cfg
         # where the trainer's [b, t, d] activations live: a jax Sharding, static in the graph
-        # def (None = wherever propagation puts them); set by jgrpo.step.constrained_graphdef
+        # def (None = wherever propagation puts them); set by jgrpo.step_setup.constrained_graphdef
         self.activation_sharding = None
         # where token_logprobs puts the LM head and its chunks (a jgrpo.sharding.LogitShardings:
         # the vocab-parallel head), static in the graph def likewise (None = propagation)
