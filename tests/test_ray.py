@@ -21,13 +21,8 @@ from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
 from jgrpo.rollout.engine import RolloutFailure
-from jgrpo.rollout.ray_backend import (
-    RayRollout,
-    WeightBroker,
-    assemble_shards,
-    local_shards,
-    pull_weights,
-)
+from jgrpo.rollout.ray_backend import RayRollout, WeightBroker, pull_weights
+from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks import make_task
 
 P, G = 2, 4
