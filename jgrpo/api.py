@@ -3,15 +3,15 @@
     trainer = jgrpo.GRPOTrainer(
         "configs/tiny.yaml",                               # a path, a dict or a jgrpo Config
         train_dataset=[{"prompt": "Say hi"}],              # list of dicts or datasets.Dataset
-        reward_funcs=brevity,                              # callables or "module:function"
+        reward_funcs=brevity,                              # callables, "module:function", models
         run_dir="runs/notebook",
         overrides=["data.task=prompts"],                   # dotted overrides, as on the CLI
     )
     result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`) and validates exactly like the CLI: `reward_funcs`
-(weight 1, `(function, weight)` pairs or RewardFunctionConfig items) are appended to
-data.reward_functions before `from_dict` and `validate`; Python datasets replace
+It runs the CLI's loop (`jgrpo.train.run`) and validates like the CLI: `reward_funcs` (weight 1,
+`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model)
+join data.reward_functions before `from_dict` and `validate`; Python datasets replace
 data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle."""
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ def _raw(cfg: Any) -> Any:
     return cfg
 
 
+def _term(rf) -> dict:
+    """A string names a reward model (a folder or hub id) unless it is `module:function`."""
+    if isinstance(rf, str) and (":" not in rf or Path(rf).expanduser().is_dir()):
+        return {"model": rf}
+    return {"function": rf}
+
+
 def _reward_items(reward_funcs) -> list[dict]:
     if reward_funcs is None:
         return []
@@ -68,9 +75,9 @@ def _reward_items(reward_funcs) -> list[dict]:
         if isinstance(rf, RewardFunctionConfig):
             items.append(_raw(rf))
         elif isinstance(rf, tuple) and len(rf) == 2:
-            items.append({"function": rf[0], "weight": rf[1]})
+            items.append({**_term(rf[0]), "weight": rf[1]})
         elif callable(rf) or isinstance(rf, str):
-            items.append({"function": rf})
+            items.append(_term(rf))
         else:
             raise ConfigError(
                 f"reward_funcs[{i}]: expected a function, 'module:function', a (function, "

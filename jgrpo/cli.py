@@ -194,7 +194,8 @@ def _convert_gguf(args) -> int:
 
 
 def _plot(args) -> int:
-    from jgrpo.metrics import plot_run, read_metrics
+    from jgrpo.metrics import read_metrics
+    from jgrpo.plots import plot_run
 
     file = Path(args.run_dir) / "metrics.jsonl"
     if not file.is_file():
@@ -221,14 +222,15 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
 
 
 def _check_model_and_data(cfg, data: bool = True) -> None:
-    """The checks that need no jax: model folder (headers, shapes, tokenizer) and data."""
+    """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
+    data first, so a bad data option is named before a model download of gigabytes."""
     from jgrpo.models.sources import check_model_path
 
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
     if data:
         from jgrpo.tasks import make_task
 
         make_task(cfg.data, cfg.grpo.seed)
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
 
 
 def run_folder_kind(run_dir: Path) -> str:

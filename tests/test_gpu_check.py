@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)

@@ -2,8 +2,9 @@
 
 Every case runs `python -m jgrpo.cli ...` in a subprocess (all of them in parallel, once per
 module) against a folder of damaged artefacts built here: bad YAML, out-of-range values,
-damaged model folders, run folders that are files or hold someone's files, torn metrics,
-broken GGUF files, export targets that are not empty. Each must exit 2 with exactly one
+damaged model folders, datasets folders with damaged JSON, generated tasks too small to hold
+out a validation set, run folders that are files or hold someone's files, torn metrics, broken
+GGUF files, export targets that are not empty. Each must exit 2 with exactly one
 `jgrpo: error:` line on stderr naming the key or file, and no traceback. Cases marked jax-free
 must be rejected before jax is even imported (what makes a rejected start take < 1 s).
 The cases of test_cli.BAD_INPUTS are replayed here too, out of process.
@@ -12,6 +13,7 @@ The cases of test_cli.BAD_INPUTS are replayed here too, out of process.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -107,6 +109,32 @@ def build_lab(lab: Path) -> None:
 
     Tokenizer(tok_models.BPE(vocab={}, merges=[])).save(str(damaged("tok_zero") / "tokenizer.json"))
     _edit_config(damaged("short_context"), max_position_embeddings=16)
+    for name in (
+        "generation_config.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+    ):
+        (damaged(f"json_{name.split('.')[0]}") / name).write_text("{not json")
+    (damaged("index_not_json") / "model.safetensors.index.json").write_text("{not json")
+
+    # datasets save_to_disk folders, each with one damaged JSON file
+    import datasets
+
+    records = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(8)]
+    table = datasets.Dataset.from_list(records)
+    good_dict = lab / "datasets" / "good_dict"
+    datasets.DatasetDict({"train": table, "test": table}).save_to_disk(str(good_dict))
+    for name, file, content in [
+        ("dict_garbage", "dataset_dict.json", b"{not json"),
+        ("dict_list", "dataset_dict.json", b"[1, 2]"),
+        ("dict_no_splits", "dataset_dict.json", b'{"splits": 3}'),
+        ("state_garbage", "train/state.json", b"{not json"),
+        ("info_garbage", "train/dataset_info.json", b"{not json"),
+        ("info_binary", "train/dataset_info.json", b"\xff\xfe\x00garbage"),
+    ]:
+        shutil.copytree(good_dict, lab / "datasets" / name)
+        (lab / "datasets" / name / file).write_bytes(content)
 
     # run folders
     runs = lab / "runs"
@@ -157,6 +185,7 @@ def build_lab(lab: Path) -> None:
 
 T = ["train", "--config", TINY]
 M = "model.path={lab}/models/"
+D = "data.train_path={lab}/datasets/"
 
 # (id, argv ({lab} = the lab folder), what the one line must contain, jax-free?)
 CASES = [
@@ -231,6 +260,78 @@ CASES = [
     ("model-tokenizer-garbage", [*T, M + "tok_garbage"], "does not load as a tokenizer", True),
     ("model-tokenizer-zero", [*T, M + "tok_zero"], "zero tokens", True),
     ("model-short-context", [*T, M + "short_context"], "max_position_embeddings 16", True),
+    (
+        "model-generation-config-garbage",
+        [*T, M + "json_generation_config"],
+        "generation_config.json' is not valid JSON",
+        True,
+    ),
+    (
+        "model-tokenizer-config-garbage",
+        [*T, M + "json_tokenizer_config"],
+        "tokenizer_config.json' is not valid JSON",
+        True,
+    ),
+    (
+        "model-special-tokens-garbage",
+        [*T, M + "json_special_tokens_map"],
+        "special_tokens_map.json' is not valid JSON",
+        True,
+    ),
+    (
+        "model-added-tokens-garbage",
+        [*T, M + "json_added_tokens"],
+        "added_tokens.json' is not valid JSON",
+        True,
+    ),
+    ("model-index-not-json", [*T, M + "index_not_json"], "index.json' is not valid JSON", True),
+    # datasets folders (data.train_path) with a damaged JSON file
+    (
+        "data-dict-garbage",
+        [*T, "data.task=gsm8k", D + "dict_garbage"],
+        "dataset_dict.json' is not valid JSON",
+        True,
+    ),
+    ("data-dict-list", [*T, "data.task=gsm8k", D + "dict_list"], "must hold a JSON object", True),
+    ("data-dict-no-splits", [*T, "data.task=gsm8k", D + "dict_no_splits"], "'splits' list", True),
+    (
+        "data-state-garbage",
+        [*T, "data.task=gsm8k", D + "state_garbage"],
+        "state.json' is not valid JSON",
+        True,
+    ),
+    (
+        "data-info-garbage",
+        [*T, "data.task=gsm8k", D + "info_garbage"],
+        "dataset_info.json' is not valid JSON",
+        True,
+    ),
+    (
+        "data-info-binary",
+        [*T, "data.task=gsm8k", D + "info_binary"],
+        "dataset_info.json' is not UTF-8",
+        True,
+    ),
+    (
+        "data-val-dict-garbage",
+        [*T, "data.val_path={lab}/datasets/dict_garbage"],
+        "data.val_path: ",
+        True,
+    ),
+    # generated tasks with fewer than 2 distinct questions (nothing to hold out)
+    (
+        "arithmetic-one-question",
+        [*T, "data.max_operand=0", "data.operators=+", "data.num_terms=1", "grpo.max_num_steps=1"],
+        "data.max_operand=0, data.num_terms=1, data.operators='+': the arithmetic task has 1 "
+        "distinct question",
+        True,
+    ),
+    (
+        "countdown-one-question",
+        [*T, "data.task=countdown", "data.max_operand=1", "data.countdown_num_numbers=4"],
+        "data.max_operand=1, data.countdown_num_numbers=4: the countdown task has 1 distinct",
+        True,
+    ),
     # run folders and flags
     ("run-dir-file", [*T, "--run-dir", "{lab}/runs/a_file"], "is a file", True),
     ("run-dir-under-file", [*T, "--run-dir", "{lab}/runs/a_file/run"], "lies under", True),
@@ -509,3 +610,24 @@ def test_resume_may_change_only_the_listed_keys():
         with pytest.raises(ConfigError, match=rf"{key}: .* -> ") as e:
             check_resume_compatible(saved, load_config(TINY, [*allowed, override]))
         assert "grpo.max_num_steps" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_smallest_generated_task_holds_out_one_question_and_trains_on_the_other(tmp_path):
+    from jgrpo.config import ConfigError
+    from jgrpo.tasks import make_task
+
+    two = load_config(TINY, ["data.max_operand=1", "data.num_terms=1"]).data  # questions 0, 1
+    task = make_task(two, seed=0)
+    assert len(task.val) == 1  # half of the 2 distinct questions, not num_val_examples (16)
+    held_out = task.val[0]["question"]
+    drawn = {e["question"] for e in task.train.next_prompts(32)}
+    assert drawn == {"0", "1"} - {held_out}
+    one = load_config(TINY, ["data.max_operand=0", "data.num_terms=1"]).data
+    with pytest.raises(ConfigError, match="has 1 distinct question"):
+        make_task(one, seed=0)
+    # with a validation file the held-out set comes from the file: one question trains
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"question": "3+4", "answer": "7"}) + "\n")
+    task = make_task(dataclasses.replace(one, val_path=str(val)), seed=0)
+    assert [e["question"] for e in task.val] == ["3+4"]
+    assert {e["question"] for e in task.train.next_prompts(4)} == {"0"}

@@ -156,7 +156,7 @@ QWEN25_1_5B = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: the SmolLM2 shape
 def test_qwen25_1_5b_shape_fits_4_gib_of_temporaries_per_device(tmp_path):
     """The real-size claim: Qwen2.5-1.5B, bf16 compute, fsdp=8, 32 prompts x 8 generations of
     64 + 1024 tokens, reference KL on, defaults otherwise (remat full, chunks of 128)."""

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
-from jgrpo import losses, sharding, step, train
+from jgrpo import losses, optimizer, sharding, step, step_setup, train
 from jgrpo.config import ConfigError, MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import Transformer, TransformerConfig
@@ -45,7 +45,10 @@ def moments(opt_state) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override, param_dtype",
-    [("model.dtype=bfloat16", "bfloat16"), ("model.compute_dtype=bfloat16", "float32")],
+    [
+        ("model.dtype=bfloat16", "bfloat16"),
+        pytest.param("model.compute_dtype=bfloat16", "float32", marks=pytest.mark.heavy),
+    ],
 )
 def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
     cfg = load_config(TINY, [*QUIET, override, "grpo.max_num_steps=3"])
@@ -77,7 +80,7 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
         assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: the portable path's parity in test_model, test_sampling
 def test_portable_kernels_train_the_tiny_config_on_cpu(tmp_path):
     """model.kernels=portable runs the GPU/TPU code path (jax.nn.dot_product_attention, the
     [b, s, k, h] cache, jax.random) on CPU, in the sampler and the trainer alike."""
@@ -128,7 +131,9 @@ def chunked_vs_reference(model, batch, temperature, chunk, first=1):
 
 
 @pytest.mark.parametrize(
-    "chunk, first", [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1), (4, 5), (0, 5), (2, 13), (0, 14)]
+    "chunk, first",
+    [pytest.param(*c, marks=pytest.mark.heavy) for c in [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1)]]
+    + [(4, 5), (0, 5), (2, 13), (0, 14)],
 )
 def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
     """Any chunking, scoring every column (first 1) or only those from the completion's first
@@ -147,8 +152,14 @@ def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
         np.testing.assert_allclose(a, b, atol=2e-6 * float(np.abs(b).max()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("chunk", [4, 0])
+@pytest.mark.parametrize(
+    "chunk, tied",
+    [
+        (4, True),
+        (0, False),
+        *(pytest.param(*c, marks=pytest.mark.heavy) for c in [(4, False), (0, True)]),
+    ],
+)
 def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     """The trainer's layout (fsdp=8: rows split, the head split over the vocab inside the
     chunks, `sharding.LogitShardings`) gives the unsharded full-logits numbers, value and
@@ -163,7 +174,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     head = shardings["embed" if tied else "lm_head"]
     logits = sharding.logit_shardings(mesh, head, cfg.vocab_size)
     assert logits.head_vd is not None  # 128 divides 8: the vocab-parallel layout is in use
-    graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
+    graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
     params = nnx.to_pure_dict(nnx.state(model))
     batch = make_rollout_batch(3)  # 16 rows (2 per device), T = 14
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
@@ -175,7 +186,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
 
     # the reference runs the layers with the same rows per device, so only the head's layout
     # differs (dots of other shapes round differently in float32: not what is tested here)
-    ref_graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
+    ref_graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
 
     def reference(p):
         m = nnx.merge(ref_graphdef, p)
@@ -202,7 +213,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     assert f"[{v // 8},{d}]" in hlo or f"[{d},{v // 8}]" in hlo
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.heavy)])
 def test_remat_changes_no_number(remat):
     batch = make_rollout_batch(2)
     results = {}
@@ -253,7 +264,10 @@ def test_schedule_values_by_hand():
         flags = step.StepFlags.from_config(
             base.replace(optim=base.optim.__class__(**{**vars(base.optim), "schedule": schedule}))
         )
-        values = [float(step.make_schedule(flags)(i)) for i in range(11)]
+        multiplier = optimizer.make_schedule(
+            flags.schedule, flags.warmup_steps, flags.total_updates
+        )
+        values = [float(multiplier(i)) for i in range(11)]
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)
 
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jgrpo import sampling, sharding, step
+from jgrpo import sampling, sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.inspect_step import analytic_flops, inspect_step
@@ -251,7 +251,7 @@ def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:
     }.items():
         cfg = run_config(sizes, overrides)
         mesh = sharding.make_mesh(cfg.mesh, devices)
-        built = step.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
+        built = step_setup.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
         batch = host.shard(mesh)
         state = built.state
         start = time.perf_counter()

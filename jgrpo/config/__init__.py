@@ -18,6 +18,7 @@ from jgrpo.config.loading import (
     format_config,
     from_dict,
     load_config,
+    read_json,
     read_yaml,
     to_dict,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "format_config",
     "from_dict",
     "load_config",
+    "read_json",
     "read_yaml",
     "to_dict",
     "validate",

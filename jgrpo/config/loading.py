@@ -3,7 +3,8 @@
 ``load_config(path, overrides)`` goes ``read_yaml`` -> ``apply_overrides`` -> ``from_dict``
 (types, unknown keys, choices) -> ``jgrpo.config.rules.validate``. ``to_dict`` is the plain
 form saved with every run; ``field_docs`` and ``format_config`` print the tree with each
-field's one-line doc (``--show-config``). Every failure raises ``ConfigError`` with one line
+field's one-line doc (``--show-config``); ``read_json`` reads the small JSON files of model and
+dataset folders for the pre-flight checks. Every failure raises ``ConfigError`` with one line
 naming the dotted key or file and what is allowed.
 """
 
@@ -13,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import textwrap
 import types
@@ -222,6 +224,28 @@ def read_yaml(path: str | Path, what: str = "config file") -> Any:
         problem = getattr(e, "problem", None)
         detail = f": {problem}" if problem and "duplicate key" in problem else ""
         raise ConfigError(f"{what} {str(path)!r} is not valid YAML{where}{detail}") from None
+
+
+def read_json(path: str | Path, key: str, kind: type | None = dict) -> Any:
+    """Parse the small JSON file `path` (a model or dataset metadata file); ConfigError
+    `key: 'path' ...` when it is unreadable, not UTF-8, not JSON or (with `kind`) not a `kind`."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{key}: {str(path)!r} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {str(path)!r} is not UTF-8 text (a binary file?)") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            f"{key}: {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})"
+        ) from None
+    if kind is not None and not isinstance(data, kind):
+        what = {dict: "a JSON object", list: "a JSON list"}.get(kind, kind.__name__)
+        raise ConfigError(f"{key}: {str(path)!r} must hold {what}, got {type(data).__name__}")
+    return data
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:

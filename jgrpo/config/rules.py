@@ -93,6 +93,7 @@ def validate(cfg: Config) -> Config:
     """Cross-field rules of docs/losses.md and range checks; raises ConfigError."""
     check_bounds(cfg)
     check_data(cfg.data)
+    check_reward_models(cfg)
     check_logging(cfg.logging)
     check_grpo(cfg)
     check_loss(cfg.loss)
@@ -160,6 +161,33 @@ def check_data(data: DataConfig) -> None:
             "set a distinct name",
         )
         labels.add(rf.label)
+
+
+def check_reward_models(cfg: Config) -> None:
+    """data.reward_functions: each term is a function or a model; a model's own fields are in
+    range, and reward models run in the trainer process (the local rollout backend)."""
+    for i, rf in enumerate(cfg.data.reward_functions):
+        key = f"data.reward_functions[{i}]"
+        _require(
+            (rf.function is None) != (rf.model is None),
+            f"{key}: give exactly one of function (module:function) or model (a reward model)",
+        )
+        if rf.model is None:
+            continue
+        _require(not rf.per_sample, f"{key}.per_sample: applies to functions, not to a model")
+        _require(rf.batch_tokens >= 1, f"{key}.batch_tokens: must be >= 1, got {rf.batch_tokens}")
+        if rf.max_length is not None:
+            _require(rf.max_length >= 1, f"{key}.max_length: must be >= 1, got {rf.max_length}")
+            _require(
+                rf.max_length <= rf.batch_tokens,
+                f"{key}.max_length: {rf.max_length} exceeds batch_tokens {rf.batch_tokens} "
+                "(one text must fit one forward)",
+            )
+        _require(
+            cfg.rollout.backend == "local",
+            f"{key}.model: reward models run in the trainer process; rollout.backend must be "
+            f"local, got {cfg.rollout.backend!r}",
+        )
 
 
 def check_logging(logging: LoggingConfig) -> None:

@@ -76,22 +76,36 @@ class ModelConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class RewardFunctionConfig:
-    """One weighted reward term (see `jgrpo.tasks.rewards` for the signature and None rule)."""
+    """One weighted reward term: a function (see `jgrpo.tasks.rewards` for the signature and
+    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`)."""
 
-    function: Union[str, Callable[..., Any]]
+    function: Union[str, Callable[..., Any], None] = None
     """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
+    model: Optional[str] = None
+    """Instead of function: a reward model, an HF *ForSequenceClassification folder or hub id."""
     weight: float = 1.0
     """Multiplier of this term in the total reward."""
     name: Optional[str] = None
-    """Metric name (`reward/<name>/mean`); None = the function's name."""
+    """Metric name (`reward/<name>/mean`); None = the function's (or model folder's) name."""
     per_sample: bool = False
     """Old form: fn(prompt, completion, example) -> float, called once per sample."""
+    batch_tokens: int = 16384
+    """Reward model: tokens per forward (rows x padded length), texts sorted by length."""
+    max_length: Optional[int] = None
+    """Reward model: texts keep their first max_length tokens (None = max_position_embeddings)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Reward model: parameter and compute dtype; auto = model.compute_dtype's resolution."""
+    chat_template: bool = True
+    """Reward model: chat-message prompts go through its own chat template (else plain text)."""
 
     @property
     def label(self) -> str:
-        """The metric name: `name`, else the function's __name__ (the part after `:`)."""
+        """The metric name: `name`, else the function's __name__ (the part after `:`), else
+        the reward model's folder or repo name."""
         if self.name:
             return self.name
+        if self.model is not None:
+            return self.model.rstrip("/").rpartition("/")[2]
         if isinstance(self.function, str):
             return self.function.rpartition(":")[2].rpartition(".")[2]
         return getattr(self.function, "__name__", type(self.function).__name__)
@@ -104,9 +118,11 @@ class DataConfig:
     task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
     """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
     train_path: Optional[str] = None
-    """A JSONL/JSON/Parquet/CSV file, datasets folder or cached HF dataset id; None = generated."""
+    """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
     val_path: Optional[str] = None
     """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    dataset_config: Optional[str] = None
+    """Config (subset) of hub dataset ids, e.g. `main` of openai/gsm8k; None = their only one."""
     prompt_key: str = "prompt"
     """Task prompts: column holding a prompt string or a list of chat messages."""
     num_val_examples: int = 200

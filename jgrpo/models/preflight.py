@@ -8,7 +8,8 @@ raises :class:`ConfigError` with one line naming the file and what is wrong:
   dtypes are ones the loader reads, its data offsets fit the file (a truncated download), and
   every tensor the decoder needs has the shape config.json implies (:func:`hf_tensor_shapes`);
 - tokenizer: tokenizer.json loads with `tokenizers`, turns a sample prompt into at least one
-  token, and every id it gives is below config.json's vocab_size;
+  token, and every id it gives is below config.json's vocab_size; the other small JSON files
+  (`_SMALL_JSON`: tokenizer_config, special_tokens_map, generation_config, ...) are objects;
 - length: rollout.prompt_bucket + rollout.max_new_tokens fits max_position_embeddings.
 The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
 loader re-checks every shape when it copies the weights."""
@@ -21,30 +22,29 @@ import struct
 from pathlib import Path
 from typing import Any, Optional
 
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, read_json
 
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 """safetensors dtypes the loader (hf.read_safetensors) reads, and their sizes in bytes."""
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit on the JSON header
 _SAMPLE_PROMPT = "What is 12+34? Answer: 46"
+_SMALL_JSON = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""JSON files of a model folder that must parse as objects when present."""
 
 
 def _fail(path: Path, what: str) -> None:
     raise ConfigError(f"model.path: {str(path)!r} {what}")
 
 
-def read_json_file(path: Path) -> Any:
-    """Parse a small JSON file; ConfigError naming it when unreadable, not UTF-8 or not JSON."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        _fail(path, f"cannot be read ({e.strerror})")
-    except UnicodeDecodeError:
-        _fail(path, "is not UTF-8 text (a binary file?)")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        _fail(path, f"is not valid JSON (line {e.lineno}: {e.msg})")
+def read_json_file(path: Path, kind: type | None = None) -> Any:
+    """Parse a small JSON file of the model folder (:func:`jgrpo.config.read_json`)."""
+    return read_json(path, "model.path", kind)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -80,15 +80,18 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
-def hf_tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor the decoder loads, from a config.json mapping."""
+def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the decoder loads, from a config.json mapping; `head`
+    lm: the LM head (unless tied), score: a one-label sequence-classification head."""
     d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     n = hf["num_attention_heads"]
     k = hf.get("num_key_value_heads") or n
     h = hf.get("head_dim") or d // n
     family = hf.get("model_type")
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not hf.get("tie_word_embeddings", False):
+    if head == "score":
+        shapes["score.weight"] = (1, d)
+    elif not hf.get("tie_word_embeddings", False):
         shapes["lm_head.weight"] = (v, d)
     layer = {
         "input_layernorm.weight": (d,),
@@ -185,9 +188,9 @@ def _weight_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, 
 
 def _check_tokenizer(folder: Path, vocab_size: int) -> None:
     path = folder / "tokenizer.json"
-    config = folder / "tokenizer_config.json"
-    if config.is_file() and not isinstance(read_json_file(config), dict):
-        _fail(config, "must hold a JSON object")
+    for name in _SMALL_JSON:  # what AutoTokenizer and the exporter read besides tokenizer.json
+        if (folder / name).is_file():
+            read_json_file(folder / name, dict)
     if not path.is_file():
         if not any((folder / n).is_file() for n in ("tokenizer.model", "vocab.json")):
             _fail(folder, "has no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
@@ -218,16 +221,19 @@ def _stamp(folder: Path) -> tuple:
     )
 
 
-def check_hf_folder(folder: str | Path, sequence_length: Optional[int] = None) -> dict:
-    """Check HF folder `folder` as described in the module docstring; returns config.json."""
+def check_hf_folder(
+    folder: str | Path, sequence_length: Optional[int] = None, head: str = "lm"
+) -> dict:
+    """Check HF folder `folder` as described in the module docstring; returns config.json.
+    `head` as `hf_tensor_shapes` (score: a reward model, `check_reward_model_folder`)."""
     folder = Path(folder)
-    stamp = _stamp(folder)
+    stamp = (*_stamp(folder), head)
     if stamp in _PASSED:
         check_sequence_length(_PASSED[stamp], sequence_length, folder / "config.json")
         return _PASSED[stamp]
     hf = read_hf_config(folder)
     shapes, where = _weight_shapes(folder)
-    for name, want in hf_tensor_shapes(hf).items():
+    for name, want in hf_tensor_shapes(hf, head).items():
         if name not in shapes:
             _fail(folder, f"lacks tensor {name!r} (config.json: {hf['num_hidden_layers']} layers)")
         if shapes[name] != want:
@@ -249,3 +255,49 @@ def check_sequence_length(hf: dict, sequence_length: Optional[int], source: Any)
             f"rollout.prompt_bucket + rollout.max_new_tokens = {sequence_length} exceeds "
             f"max_position_embeddings {limit} of {str(source)!r}"
         )
+
+
+REWARD_MODEL_ARCHITECTURES = (
+    "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+)
+"""config.json `architectures` a reward model (data.reward_functions[i].model) may declare."""
+
+
+def check_reward_model_folder(folder: str | Path, key: str, max_length: Optional[int]) -> dict:
+    """A reward model's folder (`key`: data.reward_functions[i]): a Llama / Qwen2 / Qwen3
+    *ForSequenceClassification with one label (`score.weight` [1, hidden] in the safetensors
+    header), `max_length` within its max_position_embeddings, and everything
+    `check_hf_folder` checks. ConfigError naming `key` (one line, before any load); returns
+    config.json."""
+    folder = Path(folder)
+    try:
+        hf = read_hf_config(folder)
+        archs = hf.get("architectures") or []
+        if not archs or any(a not in REWARD_MODEL_ARCHITECTURES for a in archs):
+            raise ConfigError(
+                f"{str(folder)!r} is not a sequence-classification model (architectures "
+                f"{archs}; allowed: {', '.join(REWARD_MODEL_ARCHITECTURES)})"
+            )
+        shapes, _ = _weight_shapes(folder)
+        if "score.weight" not in shapes:
+            raise ConfigError(
+                f"{str(folder)!r} is not a sequence-classification model (no score.weight in "
+                "its safetensors)"
+            )
+        labels = len(hf.get("id2label") or {}) or hf.get("num_labels", 2)
+        if labels != 1 or shapes["score.weight"][0] != 1:
+            raise ConfigError(
+                f"{str(folder)!r} has num_labels {labels} (score.weight "
+                f"{list(shapes['score.weight'])}); a reward model needs num_labels == 1"
+            )
+        limit = hf.get("max_position_embeddings")
+        if max_length is None or limit is None or max_length <= limit:
+            return check_hf_folder(folder, head="score")
+    except ConfigError as e:
+        message = str(e).removeprefix("model.path: ")
+        raise ConfigError(f"{key}.model: {message}") from None
+    raise ConfigError(
+        f"{key}.max_length: {max_length} exceeds max_position_embeddings {limit} of {str(folder)!r}"
+    )

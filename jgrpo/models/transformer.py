@@ -7,10 +7,10 @@ forward (norms, softmax, RoPE, logits and logprobs in float32); parameters store
 `cfg.param_dtype` are cast to the compute dtype `cfg.dtype` at use, per layer.
 
 Entry points: `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv;
-`token_logprobs` (chunked, no [b, t, v] logits; the trainer's forward); `prefill` and
-`decode_step` over a KVCache with `layer_weights()` taken once per generate call (the sampler's
-API). Layers are stacked on a leading `layers` axis and run with `lax.scan` (the decode step
-unrolls them); every parameter carries logical axis names for `jgrpo.sharding`.
+`token_logprobs` (chunked, no [b, t, v] logits; the trainer's forward); `hidden_states` (for
+a reward model's score head); `prefill` and `decode_step` over a KVCache with `layer_weights()`
+taken once per generate call (the sampler's API). Layers are stacked on a leading `layers`
+axis, run with `lax.scan` (the decode step unrolls them); logical axis names for sharding.
 Shape legend: b batch rows, t query tokens, s key slots, d model, n query heads, k kv heads,
 g query heads per kv head, h head dim, f mlp, v vocab, l layers."""
 
@@ -298,7 +298,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, init_scale: float = 0.02):
         self.cfg = cfg
         # where the trainer's [b, t, d] activations live: a jax Sharding, static in the graph
-        # def (None = wherever propagation puts them); set by jgrpo.step.constrained_graphdef
+        # def (None = wherever propagation puts them); set by jgrpo.step_setup.constrained_graphdef
         self.activation_sharding = None
         # where token_logprobs puts the LM head and its chunks (a jgrpo.sharding.LogitShardings:
         # the vocab-parallel head), static in the graph def likewise (None = propagation)
@@ -431,6 +431,11 @@ class Transformer(nnx.Module):
         the base model alone (the reference policy of a LoRA run)."""
         hidden_btd = self._hidden(input_ids_bt, positions_bt, attention_mask_bt, use_lora)
         return self._logits(hidden_btd)
+
+    def hidden_states(self, input_ids_bt, attention_mask_bt=None):
+        """-> [b, t, d] final-normed hidden states in the compute dtype (HF's
+        `last_hidden_state`): what a head other than the LM head (a reward model's score) reads."""
+        return self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt))
 
     def token_logprobs(
         self,

@@ -71,9 +71,10 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
-PHASE_KEYS = ("perf/sample_s", "perf/detokenize_s", "perf/reward_s")
+PHASE_KEYS = ("perf/sample_s", "perf/detokenize_s", "perf/reward_s", "perf/reward_model_s")
 """Seconds of a rollout's phases: the sampler (tokens out, on the host), tokenizer decode of
-the completions, and reward scoring (the task's verifier or reward functions)."""
+the completions, and reward scoring (the task's verifier, reward functions and models), of
+which the reward models' forwards (re-tokenising included)."""
 
 
 def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, float]:
@@ -235,6 +236,7 @@ class RolloutEngine:
             "perf/sample_s": sampled - start,
             "perf/detokenize_s": decoded - sampled,
             "perf/reward_s": scored - decoded,
+            "perf/reward_model_s": float(info.get("reward_model_s", 0.0)),
         }
         samples = [
             {

@@ -21,6 +21,8 @@ class ArithmeticTask:
     """Prompts, references and the verifier of the arithmetic task."""
 
     name = "arithmetic"
+    space_keys = ("max_operand", "num_terms", "operators")
+    """DataConfig fields that set `space_size`."""
 
     def __init__(self, cfg: DataConfig):
         ops = cfg.operators

@@ -65,6 +65,8 @@ class CountdownTask:
     """Prompts, references and the verifier of the countdown task."""
 
     name = "countdown"
+    space_keys = ("max_operand", "countdown_num_numbers")
+    """DataConfig fields that set `space_size`."""
 
     def __init__(self, cfg: DataConfig):
         if cfg.max_operand < 1:

@@ -4,8 +4,8 @@ Sources (`load_table(spec, key, split)`, always through the `datasets` library, 
 when file data is used): a file by suffix (`.jsonl` / `.ndjson` / `.json`, `.parquet` / `.pq`,
 `.csv`; `datasets.load_dataset` converts it once into a memory-mapped Arrow file), a
 `save_to_disk` folder (`DatasetDict`: split `train` for data.train_path, `test` or `validation`
-for data.val_path), or a Hugging Face dataset id already in the local hub cache (offline, same
-split rule). Python data (the `jgrpo.GRPOTrainer` API): a list of dicts or a `datasets.Dataset`.
+for data.val_path), or a hub dataset id (`jgrpo.hub.fetch`, same split rule). Python data (the
+`jgrpo.GRPOTrainer` API): a list of dicts or a `datasets.Dataset`.
 Nothing is read into a Python list: `Rows` indexes the Arrow table; null values in a required
 field are found up front with Arrow's null counts (`first_null`), before any model loads.
 Streams hand out examples with `next_prompts(n)` and carry a small JSON state: `RecordStream`
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jgrpo import hub
-from jgrpo.config import ConfigError
+from jgrpo.config import ConfigError, read_json
 
 Example = dict[str, Any]
 """One prompt's data: JSON-able, picklable; the fields are listed in `jgrpo.tasks`."""
@@ -125,13 +125,20 @@ def _pick_split(splits: Sequence[str], split: str, where: str, key: str) -> str:
 
 def _load_folder(path: Path, key: str, split: str):
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json(path / "dataset_dict.json", key).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):
+            raise ConfigError(
+                f"{key}: {str(path / 'dataset_dict.json')!r} has no 'splits' list of names"
+            )
         path = path / _pick_split(splits, split, f"HF DatasetDict {str(path)!r}", key)
     if not (path / "state.json").is_file():
         raise ConfigError(
             f"{key}: {str(path)!r} is a folder but not an HF datasets folder (no state.json or "
             "dataset_dict.json); use a .jsonl / .parquet / .csv file or Dataset.save_to_disk output"
         )
+    for name in ("state.json", "dataset_info.json"):  # load_from_disk would raise bare errors
+        if name == "state.json" or (path / name).is_file():
+            read_json(path / name, key)
     with _quiet_datasets() as datasets:
         try:
             return datasets.load_from_disk(str(path))
@@ -142,21 +149,31 @@ def _load_folder(path: Path, key: str, split: str):
             ) from None
 
 
-def _load_hub(repo_id: str, key: str, split: str):
-    folder = hub.snapshot(repo_id, repo_type="dataset")
+def _load_hub(repo_id: str, key: str, split: str, config: Optional[str]):
+    folder = hub.fetch(repo_id, "dataset", key)
     if folder is None:
         raise ConfigError(
             f"{key}: {repo_id!r} is neither a file or folder nor a dataset in the local "
-            "Hugging Face cache (download it first, e.g. `hf download --repo-type dataset "
-            f"{repo_id}`)"
+            "Hugging Face cache (HF_HUB_OFFLINE is set; download it first, e.g. `hf download "
+            f"--repo-type dataset {repo_id}`)"
         )
     if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
         return _load_folder(folder, key, split)
     with _quiet_datasets() as datasets:
         try:
-            splits = list(datasets.get_dataset_split_names(str(folder)))
+            configs = list(datasets.get_dataset_config_names(str(folder)))
+            if config is None and len(configs) > 1:
+                raise ConfigError(
+                    f"data.dataset_config: {key} {repo_id!r} has configs {configs}; choose one"
+                )
+            if config is not None and config not in configs:
+                raise ConfigError(
+                    f"data.dataset_config: {config!r} is not a config of {repo_id!r} ({key}); "
+                    f"it has {configs}"
+                )
+            splits = list(datasets.get_dataset_split_names(str(folder), config))
             chosen = _pick_split(splits, split, f"HF dataset {repo_id!r}", key)
-            return datasets.load_dataset(str(folder), split=chosen)
+            return datasets.load_dataset(str(folder), config, split=chosen)
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -166,16 +183,16 @@ def _load_hub(repo_id: str, key: str, split: str):
             ) from None
 
 
-def load_table(spec: str, key: str, split: str = "train"):
-    """A `datasets.Dataset` of a file, datasets folder or cached hub dataset id; ConfigError
-    naming `key` on failure (missing, unreadable, empty)."""
+def load_table(spec: str, key: str, split: str = "train", config: Optional[str] = None):
+    """A `datasets.Dataset` of a file, datasets folder or hub dataset id (of config `config`,
+    data.dataset_config); ConfigError naming `key` on failure (missing, unreadable, empty)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         table = _load_folder(path, key, split)
     elif path.is_file():
         table = _load_file(path, key)
     elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
-        table = _load_hub(spec, key, split)
+        table = _load_hub(spec, key, split, config)
     else:
         raise ConfigError(f"{key}: {spec!r} does not exist")
     if len(table) == 0:

@@ -400,14 +400,14 @@ class RewardRunner:
         functions: Sequence[RewardFunctionConfig],
         timeout_s: float,
         import_timeout_s: float = 60.0,
+        indices: Sequence[int] | None = None,
     ):
         self.functions = tuple(functions)
         self.timeout_s = float(timeout_s)
         self.import_timeout_s = float(import_timeout_s)
-        self._payloads = [
-            _payload(rf, f"data.reward_functions[{i}].function")
-            for i, rf in enumerate(self.functions)
-        ]
+        # positions in data.reward_functions (messages name them; reward models take others)
+        self.indices = tuple(range(len(self.functions)) if indices is None else indices)
+        self._payloads = [_payload(rf, self._key(i)) for i, rf in enumerate(self.functions)]
         self._child: _Child | None = None
         self._lock = threading.Lock()
 
@@ -416,10 +416,13 @@ class RewardRunner:
             "functions": self.functions,
             "timeout_s": self.timeout_s,
             "import_timeout_s": self.import_timeout_s,
+            "indices": self.indices,
         }
 
     def __setstate__(self, state):
-        self.__init__(state["functions"], state["timeout_s"], state["import_timeout_s"])
+        self.__init__(
+            state["functions"], state["timeout_s"], state["import_timeout_s"], state["indices"]
+        )
 
     def close(self) -> None:
         """Stop the child process (a later `run` starts a new one)."""
@@ -428,7 +431,7 @@ class RewardRunner:
             self._child = None
 
     def _key(self, index: int) -> str:
-        return f"data.reward_functions[{index}].function"
+        return f"data.reward_functions[{self.indices[index]}].function"
 
     def start(self) -> None:
         """The start-up check: load every function in a fresh child; ConfigError naming the

@@ -11,11 +11,12 @@ prompt from a dataset column and is scored by data.reward_functions alone.
 Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
 for file data, a seeded split of the training records disjoint from training (at most half of
 them); else a synthetic set disjoint from every training example (dedup key: the question for
-arithmetic, the number multiset for countdown). It depends only on the data config, not on the
-run seed, so runs with different seeds are validated alike."""
+arithmetic, the number multiset for countdown) of at most half the task's distinct questions
+(fewer than 2 is a ConfigError). It depends only on the data config, not on the run seed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -88,9 +89,17 @@ class Task:
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
         self.reward_names = tuple(rf.label for rf in cfg.reward_functions)
+        functions = [i for i, rf in enumerate(cfg.reward_functions) if rf.model is None]
+        self._function_indices = functions
         self._runner = RewardRunner(
-            cfg.reward_functions, cfg.reward_timeout_s, cfg.reward_import_timeout_s
+            [cfg.reward_functions[i] for i in functions],
+            cfg.reward_timeout_s,
+            cfg.reward_import_timeout_s,
+            indices=functions,
         )
+        self.reward_models: dict[int, Any] = {}
+        """{index in data.reward_functions: jgrpo.models.reward_model.RewardModel}, attached
+        by the trainer (`attach_reward_models`): they run in the trainer process."""
         self._train = self._val = None
         self._val_sets: dict[str, list[Example]] = {}
         if load_data:
@@ -100,6 +109,7 @@ class Task:
                 self._val_sets[name] = [
                     rows[i] for i in range(min(len(rows), cfg.num_val_examples))
                 ]
+            self.check_reward_models()
             self._runner.start()  # the reward start-up check, before any model loads
 
     def __reduce__(self):
@@ -149,6 +159,7 @@ class Task:
                 )
             if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
+            self._check_space()
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
         if val is None:
@@ -170,7 +181,7 @@ class Task:
             table = dataset
         elif path is not None:
             where = f"{key} {path!r}"
-            table = load_table(path, key, split)
+            table = load_table(path, key, split, self.cfg.dataset_config)
         else:
             return None
         # ids name the record in its source: "train/<i>" for train and its held-out split
@@ -188,6 +199,18 @@ class Task:
             for index, record in enumerate(table):
                 kind.example_from_record(dict(record), index, where, cfg)
         return Rows(table, make)
+
+    def _check_space(self) -> None:
+        """A generated task needs >= 2 distinct questions: >= 1 held out, >= 1 to train on."""
+        size = self.kind.space_size
+        if size >= 2:
+            return
+        keys = ", ".join(f"data.{k}={getattr(self.cfg, k)!r}" for k in self.kind.space_keys)
+        raise ConfigError(
+            f"{keys}: the {self.cfg.task} task has {size} distinct question"
+            f"{'' if size == 1 else 's'}; a validation set disjoint from training needs >= 2 "
+            "(widen these, or give data.val_path)"
+        )
 
     def _synthetic_val(self) -> tuple[list[Example], set]:
         num_val = min(self.cfg.num_val_examples, self.kind.space_size // 2)
@@ -269,6 +292,18 @@ class Task:
         """The task verifier alone: is the completion's final answer correct?"""
         return bool(self.kind.verify(completion, example))
 
+    def check_reward_models(self) -> None:
+        """The reward models' pre-flight (folders, heads, lengths): ConfigError, nothing loaded."""
+        from jgrpo.models.sources import check_reward_model_path
+
+        for i, rf in enumerate(self.cfg.reward_functions):
+            if rf.model is not None:
+                check_reward_model_path(rf.model, f"data.reward_functions[{i}]", rf.max_length)
+
+    def attach_reward_models(self, models: dict) -> None:
+        """Use these loaded reward models (`jgrpo.models.reward_model.load_reward_models`)."""
+        self.reward_models = dict(models)
+
     def votes(self, completions: Sequence[str]) -> Optional[list[Optional[str]]]:
         """Each completion's final answer as maj@n votes on it (the verifier's extraction,
         canonical), None for no answer; None for a task without a verifier."""
@@ -294,6 +329,7 @@ class Task:
         num_reward_errors, num_reward_timeouts (samples whose call raised / ran out of time;
         they score 0 from that function), num_reward_none (None results), correct bool[N] (None
         without a verifier), custom_rewards float32[F, N] (unweighted; 0 where not OK),
+        reward_model_s (seconds in the reward models' forwards; they are always OK),
         reward_terms float32[N, F] (NaN where not OK), sample_mask bool[N] (False where no term
         gave a value).
         """
@@ -321,7 +357,23 @@ class Task:
             records = [self.kind.reward_record(e) for e in examples]
         else:
             r_prompts, r_completions, records = list(prompts), list(completions), list(examples)
-        values, status = self._runner.run(r_prompts, r_completions, records, completion_ids)
+        num_terms = len(self.cfg.reward_functions)
+        values = np.zeros((num_terms, n), np.float64)
+        status = np.zeros((num_terms, n), np.int8)
+        fn_values, fn_status = self._runner.run(r_prompts, r_completions, records, completion_ids)
+        values[self._function_indices], status[self._function_indices] = fn_values, fn_status
+        model_s = 0.0
+        for f, rf in enumerate(self.cfg.reward_functions):
+            if rf.model is None:
+                continue
+            if f not in self.reward_models:
+                raise RuntimeError(
+                    f"data.reward_functions[{f}].model {rf.model!r} is not loaded in this "
+                    "process (the trainer attaches reward models: Task.attach_reward_models)"
+                )
+            start = time.perf_counter()
+            values[f] = self.reward_models[f].score(r_prompts, r_completions)
+            model_s += time.perf_counter() - start
         ok = status == OK
         for f, rf in enumerate(self.cfg.reward_functions):
             rewards += rf.weight * np.where(ok[f], values[f], 0.0)
@@ -337,6 +389,7 @@ class Task:
             "custom_rewards": np.where(ok, values, 0.0).astype(np.float32),
             "reward_terms": np.where(ok, values, np.nan).T.astype(np.float32),
             "sample_mask": has_value,
+            "reward_model_s": model_s,
         }
         return rewards.astype(np.float32), info
 

@@ -1,0 +1,291 @@
+"""Reward models (jgrpo.models.reward_model): parity with transformers' sequence-classification
+forward, batching independence, a training run that mixes a reward model with a function, and
+the bad inputs the pre-flight refuses."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jgrpo import cli, train
+from jgrpo.config import load_config
+from jgrpo.metrics import read_metrics
+from jgrpo.models.tiny import save_char_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
+TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
+CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
+}
+
+
+def build_reward_model(out, family="qwen2", *, pad=True, num_labels=1, seed=0, max_pos=256):
+    """A random tiny *ForSequenceClassification folder with the char tokenizer (260 ids) and a
+    chat template; `pad=False`: the tokenizer has no pad token (eos pads)."""
+    config_cls, model_cls = CLASSES[family]
+    cfg = config_cls(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_pos,
+        num_labels=num_labels,
+        initializer_range=0.3,  # O(1) scores: a 1e-4 parity check means something
+        rms_norm_eps=1e-6,
+        pad_token_id=0 if pad else None,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases (init: ones and zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    save_char_tokenizer(out)
+    tok_cfg = json.loads((Path(out) / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = TEMPLATE
+    if not pad:
+        del tok_cfg["pad_token"]
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return Path(out)
+
+
+def hf_scores(folder, prompts, completions):
+    """TRL's reward-model scoring with transformers' PyTorch forward (the reference)."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(folder), dtype=torch.float32
+    ).eval()
+    model.config.pad_token_id = tok.pad_token_id
+    texts = []
+    for p, c in zip(prompts, completions):
+        if isinstance(p, str):
+            texts.append(p + c)
+        else:
+            texts.append(tok.apply_chat_template(p + c, tokenize=False))
+    enc = tok(
+        texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+    )
+    with torch.no_grad():
+        return model(**enc).logits[:, 0].double().numpy()
+
+
+STRING_PROMPTS = ["What is 2+3? ", "Say hi.", "x" * 40, "Tell me a long story about ducks: "]
+STRING_COMPLETIONS = ["5", "hi there", "y", "Once upon a time " * 5]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "2+3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    [{"role": "user", "content": "Count to ten"}],
+]
+CHAT_COMPLETIONS = [
+    [{"role": "assistant", "content": "5"}],
+    [{"role": "assistant", "content": "Hi."}],
+    [{"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}],
+]
+
+
+@pytest.mark.parametrize(
+    "family, pad",
+    # without a pad token: llama (transformers' Qwen2Tokenizer adds its own <|endoftext|>)
+    [("llama", True), ("qwen2", True), ("qwen3", True), ("llama", False)],
+)
+def test_scores_match_transformers(tmp_path, family, pad):
+    from jgrpo.models.reward_model import RewardModel
+
+    folder = build_reward_model(tmp_path / "rm", family, pad=pad)
+    rm = RewardModel(folder, dtype="float32", batch_tokens=256)
+    for prompts, completions in [
+        (STRING_PROMPTS, STRING_COMPLETIONS),
+        (CHAT_PROMPTS, CHAT_COMPLETIONS),
+    ]:
+        ours = rm.score(prompts, completions)
+        want = hf_scores(folder, prompts, completions)
+        assert np.std(want) > 0.05  # the texts score differently: the check is not trivial
+        np.testing.assert_allclose(ours, want, rtol=0, atol=1e-4)
+    # the chat text ends in <eos>: with eos as pad the score is read before it, as in HF
+    ids = rm.encode(CHAT_PROMPTS, CHAT_COMPLETIONS)
+    assert all(row[-1] == 1 for row in ids)
+    assert len(rm.batches([len(r) for r in rm.encode(STRING_PROMPTS, STRING_COMPLETIONS)])) > 1
+
+
+def test_a_score_does_not_depend_on_its_batch(tmp_path):
+    """Split by the token budget in any order (and padded to other shapes), a text scores the
+    same; the budget holds for every batch."""
+    from jgrpo.models.reward_model import RewardModel
+
+    folder = build_reward_model(tmp_path / "rm", "qwen3")
+    rng = np.random.default_rng(0)
+    prompts = ["".join(rng.choice(list("abcdefgh "), rng.integers(1, 90))) for _ in range(13)]
+    completions = ["".join(rng.choice(list("xyz"), rng.integers(1, 30))) for _ in range(13)]
+    alone = RewardModel(folder, batch_tokens=128)  # every row in its own batch or nearly
+    ids = alone.encode(prompts, completions)
+    single = np.array([alone.score_ids([row])[0] for row in ids])
+    for budget in (128, 512, 4096):
+        rm = RewardModel(folder, batch_tokens=budget)
+        batches = rm.batches([len(r) for r in ids])
+        assert all(rows * width <= budget for _, rows, width in batches)
+        assert sorted(i for take, _, _ in batches for i in take) == list(range(len(ids)))
+        perm = rng.permutation(len(ids))
+        scores = rm.score_ids([ids[i] for i in perm])
+        np.testing.assert_allclose(scores, single[perm], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(single, hf_scores(folder, prompts, completions), atol=1e-4)
+
+
+def test_scores_on_a_2x2x2_mesh_equal_one_device(tmp_path):
+    import jax
+
+    from jgrpo import sharding
+    from jgrpo.config import MeshConfig
+    from jgrpo.models.reward_model import RewardModel
+
+    folder = build_reward_model(tmp_path / "rm", "qwen2")
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    one = RewardModel(folder, batch_tokens=256)
+    many = RewardModel(folder, batch_tokens=256, mesh=mesh, rules=sharding.DEFAULT_RULES)
+    assert len(jax.tree.leaves(many.params)[0].sharding.device_set) == 8
+    assert many.bytes_per_device() < one.bytes_per_device()
+    np.testing.assert_allclose(
+        many.score(STRING_PROMPTS, STRING_COMPLETIONS),
+        one.score(STRING_PROMPTS, STRING_COMPLETIONS),
+        rtol=0,
+        atol=1e-5,
+    )
+
+
+def _run_overrides(rm_folder, tmp_path, monkeypatch):
+    (tmp_path / "brevity_reward.py").write_text(
+        "def short(prompts, completions, **columns):\n"
+        "    return [-len(c) / 8.0 for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return [
+        *QUIET,
+        "grpo.max_num_steps=2",
+        "data.task_reward_weight=0.0",
+        f"data.reward_functions=[{{model: '{rm_folder}', weight: 2.0, batch_tokens: 256, "
+        "name: judge}, {function: 'brevity_reward:short', weight: 0.5}]",
+    ]
+
+
+def test_training_with_a_reward_model_and_a_function(tmp_path, monkeypatch):
+    folder = build_reward_model(tmp_path / "rm", "qwen2")
+    overrides = _run_overrides(folder, tmp_path, monkeypatch)
+    train.run(load_config(TINY, overrides), tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["reward/judge/mean"] is not None and np.isfinite(r["reward/judge/mean"])
+        assert r["reward/short/mean"] is not None
+        assert r["perf/reward_model_s"] > 0
+        assert r["reward/frac_groups_all_equal"] < 1.0  # nonzero advantages
+        assert r["train/grad_norm"] > 1e-4
+        # the total is the weighted sum of the two terms (no verifier)
+        want = 2.0 * r["reward/judge/mean"] + 0.5 * r["reward/short/mean"]
+        assert r["reward/mean"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+    # resume is exact: 1 step, then resume to 2, equals the 2-step run
+    part = tmp_path / "part"
+    saving = [*overrides, "checkpoint.save_period=1"]
+    train.run(load_config(TINY, [*saving, "grpo.max_num_steps=1"]), part)
+    train.run(load_config(TINY, saving), part, resume=True)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
+    assert strip(read_metrics(part)) == strip(rows)
+
+
+def test_training_on_a_2x2x2_mesh_matches_data_parallel(tmp_path, monkeypatch):
+    folder = build_reward_model(tmp_path / "rm", "qwen2")
+    overrides = [*_run_overrides(folder, tmp_path, monkeypatch), "grpo.max_num_steps=1"]
+    train.run(load_config(TINY, [*overrides, "mesh.data=8"]), tmp_path / "dp")
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    train.run(load_config(TINY, [*overrides, *mesh]), tmp_path / "mesh")
+    (dp,), (m,) = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "mesh")
+    assert m["reward/judge/mean"] == pytest.approx(dp["reward/judge/mean"], abs=1e-5)
+    assert m["reward/mean"] == pytest.approx(dp["reward/mean"], abs=1e-5)
+    assert m["loss"] == pytest.approx(dp["loss"], rel=1e-4, abs=1e-6)
+    assert m["train/grad_norm"] == pytest.approx(dp["train/grad_norm"], rel=1e-4)
+
+
+def test_inspect_step_counts_the_reward_model(tmp_path):
+    from jgrpo.inspect_step import inspect_step
+
+    folder = build_reward_model(tmp_path / "rm", "qwen3")
+    base = load_config(TINY, [])
+    cfg = load_config(TINY, [f"data.reward_functions=[{{model: '{folder}'}}]"])
+    got = inspect_step(cfg, compile=False)["reward_model_bytes_per_device"]
+    assert inspect_step(base, compile=False)["reward_model_bytes_per_device"] == 0
+    # tied decoder (no LM head) + score [d], float32, replicated over the data axis
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder))
+    assert got == 4 * sum(p.numel() for p in hf.parameters())
+
+
+def _bad(tmp_path, capsys, overrides):
+    capsys.readouterr()  # what building the test's models printed
+    code = cli.main(["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+    return err
+
+
+def test_bad_reward_models_exit_2_with_one_line(tmp_path, capsys):
+    from jgrpo.models.sources import tiny_qwen2_folder
+
+    rf = "data.reward_functions"
+    # a causal LM, not a classifier
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{tiny_qwen2_folder()}'}}]"])
+    assert f"{rf}[0].model" in err and "not a sequence-classification model" in err
+    # architectures claim a classifier but there is no score.weight
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (fake / name).write_bytes((tiny_qwen2_folder() / name).read_bytes())
+    hf = json.loads((tiny_qwen2_folder() / "config.json").read_text())
+    hf["architectures"] = ["Qwen2ForSequenceClassification"]
+    (fake / "config.json").write_text(json.dumps(hf))
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{fake}'}}]"])
+    assert "no score.weight" in err
+    # two labels
+    two = build_reward_model(tmp_path / "two", "llama", num_labels=2)
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{function: 'a:b'}}, {{model: '{two}'}}]"])
+    assert f"{rf}[1].model" in err and "num_labels 2" in err
+    # longer than the model allows
+    ok = build_reward_model(tmp_path / "ok", "qwen3", max_pos=64)
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}', max_length: 128}}]"])
+    assert f"{rf}[0].max_length" in err and "max_position_embeddings 64" in err
+    # neither or both of function / model; a model with the Ray backend
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{weight: 1.0}}]"])
+    assert "exactly one of function" in err
+    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}'}}]", "rollout.backend=ray"])
+    assert "trainer process" in err
+
+
+def test_python_api_takes_a_model_path_among_reward_funcs(tmp_path):
+    from jgrpo.api import build_config
+
+    folder = build_reward_model(tmp_path / "rm", "qwen2")
+
+    def mine(prompts, completions, **kw):
+        return [0.0] * len(prompts)
+
+    cfg = build_config(TINY, reward_funcs=[str(folder), (mine, 0.5), "m:f"])
+    terms = cfg.data.reward_functions
+    assert terms[0].model == str(folder) and terms[0].function is None
+    assert terms[1].function is mine and terms[1].weight == 0.5
+    assert terms[2].function == "m:f" and terms[2].model is None
+    assert terms[0].label == "rm"
