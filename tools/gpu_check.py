@@ -185,7 +185,7 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
         estimate = inspect_step(cfg)
         model_cfg = policy_config(cfg.model)
     mesh = sharding.make_mesh(cfg.mesh, [device])
-    built = step.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
+    built = step_setup.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
     batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
     state, times = built.state, []
     for _ in range(steps + 1):  # the first call compiles
