@@ -2,28 +2,14 @@
 
 Everything is abstract (`step_setup.build_step` on an `nnx.eval_shape` model:
 jax.ShapeDtypeStructs with shardings), so a full-size model can be sized for any mesh on a
-laptop; a model.path folder holding only config.json is enough. JSON keys:
-- `flops`: matmul flops of the whole step summed over devices, every trip of every scan/map
-  counted (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its trip
-  count; XLA's own `cost_analysis`, which counts a loop body once, is kept as
-  `flops_xla_cost_analysis`); `flops_analytic` is the same quantity from the shapes alone
-  (`analytic_flops`), the cross-check (full fine-tuning or LoRA: adapters' matmuls added, the
-  frozen weights' gradient matmuls dropped).
-- `param_bytes_per_device`, `opt_state_bytes_per_device`, `ref_param_bytes_per_device`: the
-  largest shard of each tree: every parameter a device holds (trainable + frozen), the
-  optimizer state (of the trainable ones), the separate reference copy (the full copy when
-  beta != 0 without LoRA; 0 with LoRA, whose reference is the base itself, or with beta == 0);
-  `num_params` / `num_trainable_params` and `trainable_param_bytes_per_device` (the adapters
-  alone with LoRA); `argument_bytes_per_device`: the compiled step's arguments (state, batch,
-  reference, frozen base); `temp_bytes_per_device`: XLA's temporaries of the compiled step;
-  `peak_bytes_per_device_estimate`: arguments + outputs - donated aliases + temporaries.
-- `reward_model_bytes_per_device`: the reward models' frozen parameters (0 without any).
-- `kv_cache_bytes` / `kv_cache_bytes_per_device`: the sampler's KV cache for one rollout batch,
-  and its share when the rows are split over the mesh's batch axes (data x fsdp).
-- `forwards` / `forwards_traced`: the named forwards present in the compiled program and in the
-  traced one (before dead-code elimination); `dot_ops` / `dot_general_ops_lowered`: dot counts
-  of the compiled HLO and of the lowered program (which survive on GPU, where dots may become
-  custom calls).
+laptop; a model.path folder holding only config.json is enough. The report: matmul flops of
+the whole step (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its
+trip count, XLA's own count is kept beside it) and the same from the shapes alone
+(`analytic_flops`, the cross-check); per-device bytes of the parameters, optimizer state,
+reference copy, reward models, arguments and XLA's temporaries, and a peak estimate; the
+sampler's KV cache; the named forwards present in the compiled and the traced program
+(`forwards_in_hlo`, `forwards_in_jaxpr`: the probes the static-flag proofs use) and dot counts.
+docs/precision-and-memory.md describes every JSON key.
 """
 
 from __future__ import annotations

@@ -66,10 +66,6 @@ def test_model_path_checks_are_cheap():
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 200
 DOCSTRING_MAX_LINES = 15
-LONG_DOCSTRING_ALLOWED = {
-    # being restructured; lead removes
-    "jgrpo/inspect_step.py",
-}
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -122,9 +118,8 @@ def test_module_docstrings_are_short():
         name = path.relative_to(ROOT).as_posix()
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc, f"{name} has no module docstring"
-        if name not in LONG_DOCSTRING_ALLOWED:
-            n = len(doc.splitlines())
-            assert n <= DOCSTRING_MAX_LINES, f"{name}: module docstring of {n} lines"
+        n = len(doc.splitlines())
+        assert n <= DOCSTRING_MAX_LINES, f"{name}: module docstring of {n} lines"
 
 
 TIMING = re.compile(
@@ -141,8 +136,6 @@ def test_no_measured_timings_in_code_or_configs():
     files += (ROOT / "configs").glob("*.yaml")
     for path in sorted(files):
         name = path.relative_to(ROOT).as_posix()
-        if name in LONG_DOCSTRING_ALLOWED:
-            continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not TIMING.search(line), f"{name}:{n}: a measured number: {line.strip()}"
 
