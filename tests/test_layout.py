@@ -323,3 +323,13 @@ def test_make_test_leaves_the_heavy_proofs_to_make_test_all():
     for path in (root / "tests").glob("*.py"):
         used = set(re.findall(r"pytest\.mark\.(\w+)", path.read_text())) - builtin
         assert used <= registered, f"{path.name}: unregistered markers {used - registered}"
+
+
+FILE_MAX_LINES = 600
+
+
+def test_no_module_is_over_600_lines():
+    """One file, one job: a module that outgrows this has a second job to move out."""
+    for path in sorted((ROOT / "jgrpo").rglob("*.py")):
+        n = len(path.read_text().splitlines())
+        assert n <= FILE_MAX_LINES, f"{path.relative_to(ROOT)}: {n} lines"
