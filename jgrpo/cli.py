@@ -194,7 +194,8 @@ def _convert_gguf(args) -> int:
 
 
 def _plot(args) -> int:
-    from jgrpo.metrics import plot_run, read_metrics
+    from jgrpo.metrics import read_metrics
+    from jgrpo.plots import plot_run
 
     file = Path(args.run_dir) / "metrics.jsonl"
     if not file.is_file():

@@ -58,14 +58,14 @@ def check_checkpoint_source(path, cfg: Config | None = None) -> Config:
 def load_checkpoint_model(path, cfg: Config | None = None):
     """(model with the checkpoint's params, model folder, config), on one device.
 
-    The restore target is the abstract train state of `step.build_step` (nothing is allocated
+    The restore target is the abstract train state of `step_setup.build_step` (nothing is allocated
     or read from model.path but its config.json)."""
     import dataclasses
 
     import jax
     from flax import nnx
 
-    from jgrpo import sharding, step
+    from jgrpo import sharding, step_setup
     from jgrpo.checkpoint import Checkpointer, CheckpointError, CheckpointMismatch, complete_steps
     from jgrpo.models import load_policy, policy_folder
     from jgrpo.models.adapters import join_lora
@@ -82,7 +82,8 @@ def load_checkpoint_model(path, cfg: Config | None = None):
         folder = policy_folder(cfg.model)
         abstract = load_policy(cfg.model, folder, abstract=True)
         one = dataclasses.replace(cfg.mesh, data=1, fsdp=1, tensor=1)
-        built = step.build_step(cfg, abstract, mesh=sharding.make_mesh(one, jax.devices()[:1]))
+        mesh = sharding.make_mesh(one, jax.devices()[:1])
+        built = step_setup.build_step(cfg, abstract, mesh=mesh)
         try:
             if ckpt_step is None:
                 restored = checkpointer.restore_latest_intact(built.state)

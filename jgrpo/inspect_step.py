@@ -1,29 +1,15 @@
 """Compile the train step of a config ahead of time, allocating nothing, and report its cost.
 
-Everything is abstract (`step.build_step` on an `nnx.eval_shape` model: jax.ShapeDtypeStructs
-with shardings), so a full-size model can be sized for any mesh on a laptop; a model.path
-folder holding only config.json is enough. JSON keys:
-- `flops`: matmul flops of the whole step summed over devices, every trip of every scan/map
-  counted (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its trip
-  count; XLA's own `cost_analysis`, which counts a loop body once, is kept as
-  `flops_xla_cost_analysis`); `flops_analytic` is the same quantity from the shapes alone
-  (`analytic_flops`), the cross-check (full fine-tuning or LoRA: adapters' matmuls added, the
-  frozen weights' gradient matmuls dropped).
-- `param_bytes_per_device`, `opt_state_bytes_per_device`, `ref_param_bytes_per_device`: the
-  largest shard of each tree: every parameter a device holds (trainable + frozen), the
-  optimizer state (of the trainable ones), the separate reference copy (the full copy when
-  beta != 0 without LoRA; 0 with LoRA, whose reference is the base itself, or with beta == 0);
-  `num_params` / `num_trainable_params` and `trainable_param_bytes_per_device` (the adapters
-  alone with LoRA); `argument_bytes_per_device`: the compiled step's arguments (state, batch,
-  reference, frozen base); `temp_bytes_per_device`: XLA's temporaries of the compiled step;
-  `peak_bytes_per_device_estimate`: arguments + outputs - donated aliases + temporaries.
-- `reward_model_bytes_per_device`: the reward models' frozen parameters (0 without any).
-- `kv_cache_bytes` / `kv_cache_bytes_per_device`: the sampler's KV cache for one rollout batch,
-  and its share when the rows are split over the mesh's batch axes (data x fsdp).
-- `forwards` / `forwards_traced`: the named forwards present in the compiled program and in the
-  traced one (before dead-code elimination); `dot_ops` / `dot_general_ops_lowered`: dot counts
-  of the compiled HLO and of the lowered program (which survive on GPU, where dots may become
-  custom calls).
+Everything is abstract (`step_setup.build_step` on an `nnx.eval_shape` model:
+jax.ShapeDtypeStructs with shardings), so a full-size model can be sized for any mesh on a
+laptop; a model.path folder holding only config.json is enough. The report: matmul flops of
+the whole step (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its
+trip count, XLA's own count is kept beside it) and the same from the shapes alone
+(`analytic_flops`, the cross-check); per-device bytes of the parameters, optimizer state,
+reference copy, reward models, arguments and XLA's temporaries, and a peak estimate; the
+sampler's KV cache; the named forwards present in the compiled and the traced program
+(`forwards_in_hlo`, `forwards_in_jaxpr`: the probes the static-flag proofs use) and dot counts.
+docs/precision-and-memory.md describes every JSON key.
 """
 
 from __future__ import annotations
@@ -35,10 +21,36 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jgrpo import compile_cache, step
+from jgrpo import compile_cache, step, step_setup
 from jgrpo.config import Config
 from jgrpo.models import load_policy
 from jgrpo.models.lora import adapter_layout
+
+
+def forwards_in_hlo(hlo_text: str) -> list[str]:
+    """Which of the step's named forwards (`step.FORWARDS`) a compiled program contains (read
+    from op metadata)."""
+    return [name for name in step.FORWARDS if f"forward_{name}" in hlo_text]
+
+
+def forwards_in_jaxpr(closed_jaxpr) -> list[str]:
+    """Which named forwards were traced at all (before any dead-code elimination).
+
+    A forward computed and then ignored would vanish from compiled HLO through DCE; this walks
+    the traced jaxpr, sub-jaxprs of scan/while/cond/pjit included, so it would still show."""
+    scopes: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            scopes.add(str(eqn.source_info.name_stack))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return [name for name in step.FORWARDS if any(f"forward_{name}" in s for s in scopes)]
 
 
 def bytes_per_device(tree) -> int:
@@ -213,8 +225,8 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
     compile_cache.enable()
     abstract_model = load_policy(cfg.model, abstract=True)  # config.json alone is enough
     model_cfg = abstract_model.cfg
-    step.check_batch_split(cfg, jax.device_count())
-    built = step.build_step(cfg, abstract_model)
+    step_setup.check_batch_split(cfg, jax.device_count())
+    built = step_setup.build_step(cfg, abstract_model)
     state = built.state
     batch_devices = built.mesh.shape["data"] * built.mesh.shape["fsdp"]
     kv = kv_cache_bytes(cfg, model_cfg)
@@ -254,8 +266,8 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
             "flops_xla_cost_analysis": float(compiled.cost_analysis()["flops"]),
             "dot_ops": text.count(" dot("),
             "dot_general_ops_lowered": lowered.as_text().count("stablehlo.dot_general"),
-            "forwards": step.forwards_in_hlo(text),
-            "forwards_traced": step.forwards_in_jaxpr(jax.make_jaxpr(fn)(*args)),
+            "forwards": forwards_in_hlo(text),
+            "forwards_traced": forwards_in_jaxpr(jax.make_jaxpr(fn)(*args)),
             "temp_bytes_per_device": temp,
             "argument_bytes_per_device": arguments,
             "peak_bytes_per_device_estimate": arguments + outputs - aliased + temp,

@@ -1,35 +1,16 @@
-"""Per-step metric sinks of a run: metrics.jsonl, TensorBoard, Weights & Biases, a progress bar;
-and PNG curves drawn from metrics.jsonl.
+"""A run's per-step metrics: metrics.jsonl (read, truncate, append) and the sinks they fan out to.
 
-On-disk layout::
-
-    RUN_DIR/metrics.jsonl   one JSON object per logged step, flushed per line
-    RUN_DIR/samples.jsonl   a few {step, prompt, completion, reward, ...} rows per step
-    RUN_DIR/tb/             TensorBoard events (logging.tensorboard)
-    RUN_DIR/plots/*.png     plot_run(RUN_DIR): reward, accuracy, kl, length, loss (.png)
-
-metrics.jsonl rules (what :func:`read_metrics` and ``jgrpo plot`` rely on):
-
-- Every line is ``{"step": int, <key>: float | null, ...}`` with keys sorted after ``step``,
-  and every line of the file has the same key set. A key first logged at step s (validation
-  keys such as ``val/accuracy`` first appear at the first validation) is added as ``null`` to
-  all earlier lines by an atomic rewrite of the file; later lines that do not log it carry
-  ``null`` too. So validation values live in the line of the step they were measured at and
-  are ``null`` on the other steps. The rewrite happens once per new key, not per step.
-- Values are plain floats (numpy / jax scalars are converted). NaN and +-inf are written as
-  ``null`` to keep the file strict JSON; TensorBoard, W&B and the bar still get the real value.
-- ``log`` twice with the same step merges into that step's line (train metrics, then
-  validation at the same step); steps must not decrease.
-- Resume from checkpoint step k (``resume_step=k``): lines with step > k are dropped by an
-  atomic rewrite before anything is logged, so a resumed file equals the uninterrupted one.
-  ``resume_step=None`` is a fresh run: an existing metrics.jsonl is replaced.
-
-On a pod only process 0 opens these sinks; the other processes log to a :class:`NullLogger`
-(the metrics every process computes are the pod's global ones).
-
+`MetricsLogger(run_dir, logging_cfg, total_steps, resume_step=...)` builds the sinks that
+`logging_cfg` enables and hands each step's values to all of them: `JsonlSink` (always:
+RUN_DIR/metrics.jsonl and RUN_DIR/samples.jsonl; its docstring states the file's rules),
+`TensorBoardSink` (RUN_DIR/tb/), `WandbSink` and `ProgressBarSink` (stderr). Every sink has
+the `Sink` interface: write(step, values), write_samples(step, rows, text), close().
+`read_metrics` / `truncate_metrics` are the file's readers; exact resume from checkpoint step k
+drops the lines with step > k before anything is logged, so a resumed file equals the
+uninterrupted one. On a pod only process 0 opens the sinks; the others log to a `NullLogger`.
 W&B is used only when ``logging.wandb`` is true; if wandb is then not importable the logger
-raises :class:`ConfigError` naming ``logging.wandb`` at construction, before any training,
-rather than silently running without it.
+raises `ConfigError` naming ``logging.wandb`` before touching the run directory.
+PNG curves of the file: `jgrpo.plots`.
 """
 
 from __future__ import annotations
@@ -47,20 +28,6 @@ from jgrpo.files import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
-
-# Progress-bar field -> metric key; the bar shows the latest value seen of each.
-BAR_FIELDS = {"reward": "reward/mean", "acc": "val/accuracy", "tok/s": "perf/tokens_per_s"}
-
-# plot_run: one PNG per name, holding every metric key that starts with one of these prefixes
-# or equals one without its slash (`loss` and `loss/pg` both go to loss.png).
-# Curves sharing a figure share a scale: counts and lengths stay out of the [0, 1] figures.
-PLOT_GROUPS = {
-    "reward": ("reward/mean", "reward/std", "reward/accuracy", "reward/frac_groups_all_equal"),
-    "accuracy": ("val/accuracy", "val/reward_mean"),
-    "kl": ("kl/", "loss/kl", "logprob/gen_kl_error", "logprob/policy_kl_error"),
-    "length": ("length/mean", "length/min", "length/max", "val/length_mean"),
-    "loss": ("loss/",),
-}
 
 
 def _metrics_path(run_dir_or_file: str | Path) -> Path:
@@ -163,8 +130,182 @@ def _to_float(key: str, value: Any) -> float:
         raise TypeError(f"metric {key!r}: expected a number, got {value!r}") from None
 
 
+class Sink:
+    """One destination of a run's metrics (no-op defaults; each sink overrides what it keeps)."""
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        """Record `values` (plain floats, non-finite included) of training step `step`."""
+
+    def write_samples(self, step: int, rows: list[dict], text: str) -> None:
+        """Record a few sample rows of step `step` (`text`: the same rows as markdown)."""
+
+    def close(self) -> None:
+        """Flush and release the sink."""
+
+
+class JsonlSink(Sink):
+    """RUN_DIR/metrics.jsonl, one JSON object per logged step flushed per line, and
+    RUN_DIR/samples.jsonl, a few {step, prompt, completion, reward, ...} rows per step.
+
+    metrics.jsonl rules (what `read_metrics` and ``jgrpo plot`` rely on):
+    - Every line is ``{"step": int, <key>: float | null, ...}`` with keys sorted after
+      ``step``, and every line of the file has the same key set. A key first logged at step s
+      (validation keys such as ``val/accuracy`` first appear at the first validation) is added
+      as ``null`` to all earlier lines by an atomic rewrite of the file (once per new key);
+      later lines that do not log it carry ``null`` too.
+    - Values are plain floats. NaN and +-inf are written as ``null`` to keep the file strict
+      JSON; the other sinks still get the real value.
+    - Writing twice with the same step merges into that step's line (train metrics, then
+      validation at the same step); steps must not decrease (ValueError, nothing written).
+    - `resume_step=k`: lines with step > k are dropped by an atomic rewrite; None is a fresh
+      run: an existing metrics.jsonl is replaced, and samples.jsonl at the first samples.
+    """
+
+    def __init__(self, run_dir: Path, resume_step: Optional[int], keys: tuple[str, ...] = ()):
+        self.path = run_dir / METRICS_FILE
+        self.samples_path = run_dir / SAMPLES_FILE
+        self._fresh, self._samples_started = resume_step is None, False
+        # Lines already in the file; the last one is the newest step's (merge target).
+        rows = truncate_metrics(self.path, resume_step) if resume_step is not None else []
+        if resume_step is None:
+            write_atomic(self.path, "")
+        self._keys: set[str] = set(keys).union(*(_values(r) for r in rows))
+        self._rows = rows
+        if self._keys and any(set(_values(r)) != self._keys for r in rows):
+            self._rewrite()
+        self._file = open(self.path, "a")
+
+    def _rewrite(self) -> None:
+        """Give every line the current key set (missing keys as null), atomically."""
+        text = "".join(
+            _format_line(r["step"], {k: r.get(k) for k in self._keys}) for r in self._rows
+        )
+        write_atomic(self.path, text)
+        self._rows = [json.loads(line) for line in text.splitlines()]
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        last_step = self._rows[-1]["step"] if self._rows else None
+        if last_step is not None and step < last_step:
+            raise ValueError(f"log: step {step} after step {last_step}; steps must not decrease")
+        clean = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+        merge = step == last_step
+        row = dict(self._rows[-1]) if merge else {"step": step}
+        row.update(clean)
+        new_keys = set(clean) - self._keys
+        self._keys |= new_keys
+        if merge:
+            self._rows[-1] = row
+        else:
+            self._rows.append(row)
+        if new_keys or merge:
+            self._file.close()
+            self._rewrite()
+            self._file = open(self.path, "a")
+        else:
+            self._file.write(_format_line(step, {k: row.get(k) for k in self._keys}))
+            self._file.flush()
+
+    def write_samples(self, step: int, rows: list[dict], text: str) -> None:
+        if not self._samples_started and self._fresh:
+            self.samples_path.unlink(missing_ok=True)
+        self._samples_started = True
+        with open(self.samples_path, "a") as fh:
+            fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardSink(Sink):
+    """TensorBoard events under RUN_DIR/tb/: a scalar per metric, the samples as text."""
+
+    def __init__(self, run_dir: Path, resume_step: Optional[int]):
+        from tensorboardX import SummaryWriter
+
+        # purge_step hides events of the killed run past the resume point.
+        purge = resume_step + 1 if resume_step is not None else None
+        self._writer = SummaryWriter(logdir=str(run_dir / "tb"), purge_step=purge)
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        for k, v in values.items():
+            self._writer.add_scalar(k, v, step)
+        self._writer.flush()
+
+    def write_samples(self, step: int, rows: list[dict], text: str) -> None:
+        self._writer.add_text("samples", text, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbSink(Sink):
+    """A Weights & Biases run (project logging.wandb_project, named after RUN_DIR)."""
+
+    def __init__(self, wandb, run_dir: Path, project: str, run_config: Optional[dict]):
+        self._run = wandb.init(
+            project=project,
+            dir=str(run_dir),
+            name=run_dir.name,
+            config=run_config,
+            resume="allow",
+        )
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        self._run.log(dict(values), step=step)
+
+    def write_samples(self, step: int, rows: list[dict], text: str) -> None:
+        self._run.log({"samples": text}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ProgressBarSink(Sink):
+    """A tqdm bar on stderr: steps done of `total_steps` (ETA) and the latest `FIELDS`."""
+
+    FIELDS = {"reward": "reward/mean", "acc": "val/accuracy", "tok/s": "perf/tokens_per_s"}
+    """Bar field -> metric key; the bar shows the latest value seen of each."""
+
+    def __init__(self, total_steps: int, resume_step: Optional[int]):
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=total_steps,
+            initial=resume_step or 0,
+            file=sys.stderr,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self._shown: dict[str, float] = {}
+
+    def write(self, step: int, values: Mapping[str, float]) -> None:
+        for name, key in self.FIELDS.items():
+            if key in values:
+                self._shown[name] = values[key]
+        self._bar.set_postfix({k: f"{v:.4g}" for k, v in self._shown.items()})
+        self._bar.update(max(0, step - self._bar.n))
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError(
+            "logging.wandb: true, but the `wandb` package is not installed; "
+            "pip install wandb, or set logging.wandb=false"
+        ) from None
+    return wandb
+
+
 class MetricsLogger:
-    """Writes each step's metrics to every enabled sink; use as a context manager or close()."""
+    """Fans each step's metrics out to the sinks of `logging_cfg`; a context manager, or
+    close()."""
 
     def __init__(
         self,
@@ -183,144 +324,46 @@ class MetricsLogger:
         config dict, given to W&B.
         """
         self.run_dir = Path(run_dir)
-        self.cfg = logging_cfg
-        self._fresh, self._samples_started = resume_step is None, False
-        self.path = self.run_dir / METRICS_FILE
-        wandb = None
-        if logging_cfg.wandb:
-            try:
-                import wandb
-            except ImportError:
-                raise ConfigError(
-                    "logging.wandb: true, but the `wandb` package is not installed; "
-                    "pip install wandb, or set logging.wandb=false"
-                ) from None
+        wandb = _import_wandb() if logging_cfg.wandb else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-
-        # Lines already in the file; _last_row is the line of the newest step (merge target).
-        rows = truncate_metrics(self.path, resume_step) if resume_step is not None else []
-        if resume_step is None:
-            write_atomic(self.path, "")
-        self._keys: set[str] = set(keys).union(*(_values(r) for r in rows))
-        self._rows = rows
-        if self._keys and any(set(_values(r)) != self._keys for r in rows):
-            self._rewrite()
-        self._file = open(self.path, "a")
-        self._bar_values: dict[str, float] = {}
-
-        self._tb = None
+        # The jsonl sink comes first: it refuses a decreasing step before any sink writes.
+        self.sinks: list[Sink] = [JsonlSink(self.run_dir, resume_step, keys)]
         if logging_cfg.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step hides events of the killed run past the resume point.
-            purge = resume_step + 1 if resume_step is not None else None
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), purge_step=purge)
-
-        self._wandb_run = None
+            self.sinks.append(TensorBoardSink(self.run_dir, resume_step))
         if wandb is not None:
-            self._wandb_run = wandb.init(
-                project=logging_cfg.wandb_project,
-                dir=str(self.run_dir),
-                name=self.run_dir.name,
-                config=run_config,
-                resume="allow",
-            )
-
-        self._bar = None
+            project = logging_cfg.wandb_project
+            self.sinks.append(WandbSink(wandb, self.run_dir, project, run_config))
         if logging_cfg.progress_bar:
-            from tqdm import tqdm
-
-            start = resume_step or 0
-            self._bar = tqdm(
-                total=total_steps, initial=start, file=sys.stderr, unit="step", dynamic_ncols=True
-            )
-
-    def _rewrite(self) -> None:
-        """Give every line the current key set (missing keys as null), atomically."""
-        text = "".join(
-            _format_line(r["step"], {k: r.get(k) for k in self._keys}) for r in self._rows
-        )
-        write_atomic(self.path, text)
-        self._rows = [json.loads(line) for line in text.splitlines()]
+            self.sinks.append(ProgressBarSink(total_steps, resume_step))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record `metrics` (key -> scalar) for training step `step` in every sink."""
         if "step" in metrics:
             raise ValueError("metrics: `step` is passed as the step argument, not a metric key")
-        last_step = self._rows[-1]["step"] if self._rows else None
-        if last_step is not None and step < last_step:
-            raise ValueError(f"log: step {step} after step {last_step}; steps must not decrease")
         values = {k: _to_float(k, v) for k, v in metrics.items()}
-        clean = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
-
-        merge = step == last_step
-        row = dict(self._rows[-1]) if merge else {"step": step}
-        row.update(clean)
-        new_keys = set(clean) - self._keys
-        self._keys |= new_keys
-        if merge:
-            self._rows[-1] = row
-        else:
-            self._rows.append(row)
-        if new_keys or merge:
-            self._file.close()
-            self._rewrite()
-            self._file = open(self.path, "a")
-        else:
-            self._file.write(_format_line(step, {k: row.get(k) for k in self._keys}))
-            self._file.flush()
-
-        if self._tb is not None:
-            for k, v in values.items():
-                self._tb.add_scalar(k, v, step)
-            self._tb.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(dict(values), step=step)
-        if self._bar is not None:
-            for name, key in BAR_FIELDS.items():
-                if key in values:
-                    self._bar_values[name] = values[key]
-            self._bar.set_postfix({k: f"{v:.4g}" for k, v in self._bar_values.items()})
-            self._bar.update(max(0, step - self._bar.n))
+        for sink in self.sinks:
+            sink.write(step, values)
 
     def log_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
-        """Append a few {prompt, completion, reward, ...} rows of step `step` to
-        RUN_DIR/samples.jsonl (one JSON object a line, with `step`) and to TensorBoard / W&B as
-        text. A fresh run starts the file anew; a resumed run appends."""
+        """Record a few {prompt, completion, reward, ...} rows of step `step`: appended to
+        RUN_DIR/samples.jsonl (one JSON object a line, with `step`; a fresh run starts the file
+        anew, a resumed run appends) and given to TensorBoard / W&B as text."""
         if not samples:
             return
         rows = [{"step": step, **dict(r)} for r in samples]
-        path = self.run_dir / SAMPLES_FILE
-        if not self._samples_started and self._fresh:
-            path.unlink(missing_ok=True)
-        self._samples_started = True
-        with open(path, "a") as fh:
-            fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
         text = "\n\n".join(
             f"**reward {r.get('reward')}**\n\n    {r.get('prompt')!s}\n    -> "
             f"{r.get('completion')!s}"
             for r in rows
         )
-        if self._tb is not None:
-            self._tb.add_text("samples", text, step)
-            self._tb.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log({"samples": text}, step=step)
+        for sink in self.sinks:
+            sink.write_samples(step, rows, text)
 
     def close(self) -> None:
-        """Flush and close every sink."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb_run is not None:
-            self._wandb_run.finish()
-            self._wandb_run = None
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        """Flush and close every sink (once)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -340,45 +383,3 @@ class NullLogger:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def plot_run(run_dir: str | Path) -> list[Path]:
-    """Draw RUN_DIR/plots/<group>.png for each PLOT_GROUPS entry with data; returns the paths.
-
-    Validation keys have values on few steps: each curve is drawn over the steps where its
-    key is not null, with markers. Uses the Agg canvas directly (no pyplot, no global backend).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    keys = sorted({k for r in rows for k in r if k != "step"})
-    out_dir = run_dir / "plots"
-    written = []
-    for name, prefixes in PLOT_GROUPS.items():
-        series = {}
-        for key in keys:
-            if not (key.startswith(prefixes) or key in {p.rstrip("/") for p in prefixes}):
-                continue
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
-                series[key] = points
-        if not series:
-            continue
-        fig = Figure(figsize=(7, 4), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for key, points in series.items():
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if len(points) < 50 else None, ms=3, label=key)
-        ax.set_xlabel("step")
-        ax.set_title(f"{run_dir.name}: {name}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{name}.png"
-        fig.savefig(path)
-        written.append(path)
-    return written

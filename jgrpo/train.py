@@ -27,14 +27,15 @@ import jax
 import yaml
 from flax import nnx
 
-from jgrpo import compile_cache, distributed, evaluation, sharding, step
+from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.files import write_atomic
-from jgrpo.metrics import MetricsLogger, NullLogger, plot_run
+from jgrpo.metrics import MetricsLogger, NullLogger
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
 from jgrpo.models.sources import check_model_path
+from jgrpo.plots import plot_run
 from jgrpo.rollout import (
     RolloutEngine,
     RolloutFailure,
@@ -58,7 +59,7 @@ class Trainer:
     """Everything a running GRPO job holds (built by `setup`)."""
 
     cfg: Config
-    setup: step.StepSetup
+    setup: step_setup.StepSetup
     """The built train step (mesh, graphdef, ref_params, frozen: the LoRA base or None,
     hparams, step_fn: aligned across processes). Its `state` is the one at `start_step`
     (donated by the first step); the live one is `state`."""
@@ -75,7 +76,7 @@ def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
     check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
     sharding.make_rules(cfg.mesh)
-    step.check_batch_split(cfg, jax.device_count())
+    step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
         from jgrpo.rollout.ray_backend import check_ray_address
 
@@ -116,7 +117,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     folder = policy_folder(cfg.model)
     # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
-    built = step.build_step(cfg, model)
+    built = step_setup.build_step(cfg, model)
     state = built.state
     if any(rf.model is not None for rf in cfg.data.reward_functions):
         from jgrpo.models.reward_model import load_reward_models

@@ -270,6 +270,8 @@ def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkey
     assert time.perf_counter() - start < 120
 
 
+# make test: the same three sets of forwards in test_step's test_skipped_forwards_are_absent_...
+@pytest.mark.heavy
 def test_inspect_step_reports_forwards(capsys):
     reports = {}
     for name, overrides in {
@@ -306,6 +308,7 @@ QWEN05 = {
 }
 
 
+@pytest.mark.heavy  # make test: test_inspect_step (the SmolLM2 shape on 8 devices)
 def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN05))
     reports = {}
@@ -333,6 +336,7 @@ def test_inspect_step_sizes_a_full_size_model_per_device(capsys, tmp_path):
     assert reports[8]["temp_bytes_per_device"] > 0
 
 
+@pytest.mark.heavy  # make test: test_tasks loads GSM8K JSONL and scores countdown
 def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
     records = [
         {
@@ -383,7 +387,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_resume_after_sigkill_..., test_checkpoint's killed saves
 def test_kill_during_save_and_damaged_checkpoint_resume_like_uninterrupted(capsys, tmp_path):
     common = [
         "grpo.max_num_steps=6",
@@ -458,7 +462,7 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     import jax
     from flax import nnx
 
-    from jgrpo import step
+    from jgrpo import optimizer, step_setup
     from jgrpo.checkpoint import Checkpointer
     from jgrpo.config import load_config, to_dict
     from jgrpo.models import from_pretrained
@@ -472,7 +476,8 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     model = from_pretrained(resolve_model_path(cfg.model.path))
     params = jax.tree.map(lambda x: x + 0.25, nnx.to_pure_dict(nnx.state(model)))
     with Checkpointer(run / "checkpoints") as ckpt:
-        ckpt.save(2, step.init_train_state(params, step.make_optimizer(cfg)), {"step": 2})
+        state = step_setup.init_train_state(params, optimizer.make_optimizer(cfg))
+        ckpt.save(2, state, {"step": 2})
 
     out = tmp_path / "out"  # an older sharded export: loading it would give the OLD weights
     out.mkdir()

@@ -1,10 +1,11 @@
 """Multi-host pods: the process spec, and a real 2-process pod on one machine vs one process.
 
-The pod tests run `jgrpo train` as subprocesses: each sets its own fake CPU device count
-(4 per process on the pod, 8 for the one-process reference) and joins a loopback coordinator
-with gloo collectives, exactly as hosts of a GPU pod join process 0. The one-process reference
-run starts once for the module, alongside the first pod; the Ray pod's processes join the
-session's local Ray cluster (conftest) by its address, as a pod's hosts join one cluster.
+The pod tests (heavy: make test-all) run `jgrpo train` as subprocesses: each sets its own
+fake CPU device count (4 per process on the pod, 8 for the one-process reference) and joins a
+loopback coordinator with gloo collectives, exactly as hosts of a GPU pod join process 0. The
+one-process reference run starts once for the module, alongside the first pod; the Ray pod's
+processes join the session's local Ray cluster (conftest) by its address, as a pod's hosts join
+one cluster.
 """
 
 import functools
@@ -273,7 +274,7 @@ def reference(tmp_path_factory, jax_cache):
             p.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(
     tmp_path, reference, jax_cache
 ):
@@ -310,7 +311,7 @@ def test_two_process_pod_matches_one_process_and_resumes_after_a_lost_host(
     _assert_same_metrics(read_metrics(cross), reference(), steps=range(resumed_step + 1, 4))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_process_pod_with_ray_rollout_matches_one_process(
     tmp_path, reference, jax_cache, ray_cluster
 ):

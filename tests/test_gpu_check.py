@@ -11,10 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--tiny", "--out", str(out)],
         env=env,
@@ -25,6 +27,15 @@ def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["platform"] == "cpu" and report["peak_bf16_flops"] is None
+    # the recipe check: configs/tiny.yaml's step at its shape against inspect-step's estimate
+    recipe = report["recipe"]
+    assert recipe["config"] == "configs/tiny.yaml" and (recipe["rows"], recipe["tokens"]) == (
+        16,
+        24,
+    )
+    assert recipe["step_s"] > 0 and recipe["mfu"] is None and math.isfinite(recipe["loss"])
+    assert recipe["estimate_peak_bytes"] > recipe["estimate_temp_bytes"] > 0
+    assert recipe["peak_memory_bytes"] is None and recipe["memory_vs_estimate"] is None
     tiny = report["shapes"]["tiny"]
     assert tiny["sampler_tokens_per_s"] > 0
     for variant in ("on_policy", "off_policy"):
@@ -34,3 +45,23 @@ def test_gpu_check_tiny_runs_on_cpu(tmp_path):
         assert 1.0 <= r["token_mult_prob_error"] < 1.05
     # the prev forward is an extra forward: off-policy model flops exceed on-policy ones
     assert tiny["off_policy"]["model_flops"] > tiny["on_policy"]["model_flops"]
+
+
+def test_gpu_check_compares_memory_and_builds_recipe_batches():
+    """The CPU-side logic of the recipe check: the measured/estimated ratio, and a random batch
+    of the recipe's shape that the step accepts (completions right of prompt_bucket)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    from jgrpo.config import load_config
+
+    assert gpu_check.compare_memory(None, 10) is None
+    assert gpu_check.compare_memory(15, 10) == 1.5
+    cfg = load_config(gpu_check.RECIPE[0], ["model.path=unused"])
+    batch = gpu_check.random_batch(cfg, 151936)
+    assert batch.shape == (cfg.grpo.batch_size, 256 + 512)
+    batch.check_scored_from(cfg.rollout.prompt_bucket)
+    assert batch.token_mask[:, :256].sum() == 0 and batch.token_mask[:, 256:].all()
+    assert (batch.input_ids < 151936).all() and (batch.input_ids > 0).all()

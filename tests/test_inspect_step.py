@@ -156,7 +156,7 @@ QWEN25_1_5B = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: the SmolLM2 shape
 def test_qwen25_1_5b_shape_fits_4_gib_of_temporaries_per_device(tmp_path):
     """The real-size claim: Qwen2.5-1.5B, bf16 compute, fsdp=8, 32 prompts x 8 generations of
     64 + 1024 tokens, reference KL on, defaults otherwise (remat full, chunks of 128)."""
@@ -173,3 +173,62 @@ def test_qwen25_1_5b_shape_fits_4_gib_of_temporaries_per_device(tmp_path):
     assert eight["temp_bytes_per_device"] <= 4 * 2**30
     assert eight["flops_trip_counts_known"]
     assert eight["flops"] == pytest.approx(one["flops"], rel=0.02)
+
+
+def test_lora_optimizer_bytes_add_up_to_the_adapter_shapes():
+    """configs/tiny.yaml with rank-8 LoRA on all seven projections: every optimizer byte
+    accounted for from the shapes. The tiny Qwen2 (d 64, f 128, 4 heads of 16, 2 kv heads,
+    2 layers, vocab 264, tied, q/k/v biases) has 91,200 parameters; its adapters are
+    r x (in + out) per projection per layer: 16,384, 17.96% of them (rank 8 is 1/8 of d,
+    so the adapters are a large share of so small a model). Adam keeps mu and nu (float32)
+    per trainable leaf: 2 x 4 bytes x trainable params; the scalars are inject_hyperparams'
+    count and three hyperparameters, adam's count and the schedule's count (6 x 4 bytes,
+    replicated; with mesh.data=-1 every leaf is replicated, so per device = whole)."""
+    d, f, n, k, h, layers, v, r = 64, 128, 4, 2, 16, 2, 264, 8
+    per_layer = d * (n + 2 * k) * h + n * h * d + 3 * d * f + 2 * d + (n + 2 * k) * h
+    full_params = v * d + layers * per_layer + d
+    qkvo = (d + n * h) + 2 * (d + k * h) + (n * h + d)
+    adapters = layers * r * (qkvo + 2 * (d + f) + (f + d))
+    assert (full_params, adapters) == (91_200, 16_384)
+    scalars = 6 * 4
+    full = inspect_step(load_config(TINY, []), compile=False)
+    lora = inspect_step(load_config(TINY, ["model.lora.rank=8"]), compile=False)
+    assert full["num_trainable_params"] == full_params
+    assert lora["num_trainable_params"] == adapters
+    assert lora["num_params"] == full_params + adapters
+    assert full["opt_state_bytes_per_device"] == 2 * 4 * full_params + scalars
+    assert lora["opt_state_bytes_per_device"] == 2 * 4 * adapters + scalars
+    assert lora["trainable_param_bytes_per_device"] == 4 * adapters
+    ratio = lora["opt_state_bytes_per_device"] / full["opt_state_bytes_per_device"]
+    assert ratio == pytest.approx(adapters / full_params, rel=1e-3)  # 18%, not 10%
+
+
+@pytest.mark.slow
+def test_qwen25_1_5b_shape_pure_bf16_temporaries_hold_no_float32_copy(tmp_path):
+    """The same 1.5B shape with pure bf16 parameters (model.dtype=bfloat16) against float32
+    master weights. XLA:CPU slices bfloat16 arrays in float32: a scan over the stacked
+    bfloat16 weights converted each whole stack to float32 once, hoisted out of the layer
+    loop, so pure bf16 held a float32 copy of its parameters (4 bytes x params per device)
+    that mixed precision, whose master weights are float32 arguments already, did not. The
+    layer loop now slices their uint16 views (`transformer._from_bits`); XLA:CPU materialises
+    that view (2 bytes x params), which is what pure bf16 may still add, with the
+    microbatch's bfloat16 gradient buffers, over mixed precision."""
+    overrides = [
+        "grpo.num_prompts_per_step=32",
+        "grpo.num_generations_per_prompt=8",
+        "rollout.prompt_bucket=64",
+        "rollout.max_new_tokens=1024",
+    ]
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "bf16").mkdir()
+    mixed = inspect_shape(tmp_path / "mixed", QWEN25_1_5B, overrides, (8,))[8]
+    pure = [*overrides, "model.dtype=bfloat16"]
+    bf16 = inspect_shape(tmp_path / "bf16", QWEN25_1_5B, pure, (8,))[8]
+    assert bf16["param_dtype"] == "bfloat16" and mixed["param_dtype"] == "float32"
+    view = bf16["param_bytes_per_device"]  # the uint16 view: 2 bytes x params per device
+    float32_copy = 2 * view
+    assert float32_copy == mixed["param_bytes_per_device"]
+    extra = bf16["temp_bytes_per_device"] - mixed["temp_bytes_per_device"]
+    assert 0 < extra <= 1.2 * view < float32_copy  # the hoisted float32 copy would be 2x view
+    assert mixed["temp_bytes_per_device"] <= 4 * 2**30
+    assert bf16["temp_bytes_per_device"] <= 4.1 * 2**30

@@ -158,7 +158,7 @@ def test_sampler_weights_are_merged(hf_base):
         np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
     """The Ray backend puts base + adapters on the first publish, adapters alone after it, and
     samples what the local backend samples from base | adapters (both versions)."""
@@ -267,7 +267,7 @@ def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
     assert all(x.dtype == jnp.float32 for x in moments)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: bf16 training in test_precision, LoRA in float32
 def test_lora_over_a_bfloat16_base_trains(tmp_path):
     """Pure-bf16 base (model.dtype=bfloat16) with float32 adapters: the base stays bf16 and
     unchanged, the adapters and their Adam moments are float32, and the steps are finite."""
@@ -294,7 +294,7 @@ def test_lora_over_a_bfloat16_base_trains(tmp_path):
         t.checkpointer.close()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_reference_logprobs_are_the_base_logprobs_exactly
 def test_lora_step_holds_no_reference_copy():
     """inspect-step: with LoRA, beta != 0 adds no argument bytes to the compiled step (the
     reference is the base itself); without LoRA it adds the full reference copy."""
@@ -333,7 +333,8 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     """The step's reference forward (the LoRA model, adapters skipped) = the base model's."""
     from conftest import ROLLOUT_BATCH_BUCKET
 
-    from jgrpo import sharding, step
+    from jgrpo import sharding, step, step_setup
+    from jgrpo.batch import TrainBatch
     from jgrpo.config import load_config
     from jgrpo.models import load_policy
 
@@ -342,9 +343,9 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
     randomize_adapters(model, std=0.3)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    built = step.build_step(cfg, model, mesh=mesh)
-    batch = {k: jnp.asarray(v) for k, v in rollout_batch.items()}
-    batch["input_ids"] = batch["input_ids"] % base.cfg.vocab_size
+    built = step_setup.build_step(cfg, model, mesh=mesh)
+    batch = TrainBatch(**rollout_batch)
+    batch = batch.replace(input_ids=batch.input_ids % base.cfg.vocab_size)
     hp = built.hparams
 
     @jax.jit
@@ -357,13 +358,19 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     data, _ = prepared(built.state.params, built.frozen, batch)
     base_graphdef, base_state = nnx.split(base)
     first = built.flags.first_scored  # the step computes no logits for the prompt columns
-    want = jax.jit(step.sequence_logprobs, static_argnums=(4, 5))(
-        base_graphdef, nnx.to_pure_dict(base_state), batch, hp["temperature"], True, first
+    want = jax.jit(step.sequence_logprobs, static_argnums=(5, 6))(
+        base_graphdef,
+        nnx.to_pure_dict(base_state),
+        batch.input_ids,
+        batch.attention_mask,
+        hp.temperature,
+        True,
+        first,
     )
     assert first == 5 and not np.asarray(want[:, :first]).any()
-    np.testing.assert_array_equal(data["reference_logprobs"], want)
+    np.testing.assert_array_equal(data.reference_logprobs, want)
     # and the policy (prev) forward does use the adapters
-    assert np.abs(np.asarray(data["prev_logprobs"] - want)).max() > 1e-2
+    assert np.abs(np.asarray(data.prev_logprobs - want)).max() > 1e-2
 
 
 LORA_RUN = [*QUIET, *LORA8, "grpo.max_num_steps=3", "checkpoint.save_period=10"]
@@ -447,7 +454,7 @@ def lora_step_on(mesh_shape, overrides):
 
     from conftest import ROLLOUT_BATCH_BUCKET, make_rollout_batch
 
-    from jgrpo import sharding, step
+    from jgrpo import sharding, step, step_setup
     from jgrpo.batch import TrainBatch
     from jgrpo.config import load_config
     from jgrpo.models import Transformer, TransformerConfig
@@ -468,7 +475,7 @@ def lora_step_on(mesh_shape, overrides):
     spec = LoRASpec(rank=8, alpha=16.0, target_modules=ALL)
     model = attach_lora(model, spec, jax.random.key(0))
     randomize_adapters(model, std=0.05)  # B != 0: the policy differs from the reference
-    built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
     batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
     shard = built.state.params["lora"]["q_lora_b"].addressable_shards[0].data.shape
     flags, graphdef, hp = built.flags, built.graphdef, built.hparams
@@ -492,8 +499,11 @@ def lora_step_on(mesh_shape, overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["grpo.num_minibatches=2"],
-        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+        pytest.param(["grpo.num_minibatches=2"], marks=pytest.mark.heavy),
+        pytest.param(
+            ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+            marks=pytest.mark.heavy,
+        ),
         [
             "grpo.advantage.estimator=reinforce_plus_plus",
             "loss.use_kl_in_reward=true",
@@ -507,7 +517,8 @@ def test_lora_step_is_mesh_and_microbatch_invariant(overrides):
     """Loss and adapter gradients of a step: 1 device, 1 microbatch = 8 devices (data 2 x
     fsdp 2 x tensor 2) with 2 microbatches; the adapters are sharded like the weights they
     adapt. (Gradients, not the updated adapters: Adam's first update is ~lr * sign(g), which
-    turns float rounding of a near-zero gradient into an lr-sized difference.)"""
+    turns float rounding of a near-zero gradient into an lr-sized difference.) make test runs
+    the loss with the most parts (KL in the reward, importance sampling), make test-all all."""
     loss0, grads0, moved, shard0 = lora_step_on((1, 1, 1), overrides)
     loss, grads, _, shard = lora_step_on((2, 2, 2), [*overrides, "grpo.num_microbatches=2"])
     assert np.isfinite(loss0) and loss == pytest.approx(loss0, abs=1e-5)

@@ -1,4 +1,4 @@
-"""jgrpo.metrics: jsonl lines and key sets, resume truncation, TensorBoard, W&B, bar, plots."""
+"""jgrpo.metrics and jgrpo.plots: jsonl lines and key sets, resume, TensorBoard, W&B, bar, plots."""
 
 import json
 import math
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jgrpo.config import ConfigError, LoggingConfig
-from jgrpo.metrics import MetricsLogger, plot_run, read_metrics, truncate_metrics
+from jgrpo.metrics import MetricsLogger, Sink, read_metrics, truncate_metrics
+from jgrpo.plots import plot_run
 
 QUIET = LoggingConfig(tensorboard=False, wandb=False, progress_bar=False)
 
@@ -200,3 +201,40 @@ def test_values_are_plain_floats(tmp_path):
     assert row == {"step": 1, "a": 3.0, "b": 0.5, "c": 1.0, "d": 1.0}
     assert all(type(v) is float for k, v in row.items() if k != "step")
     assert not any(math.isnan(v) for k, v in row.items() if k != "step")
+
+
+def test_every_sink_gets_the_real_values_and_one_close(tmp_path):
+    """The logger fans out: each sink sees the step's plain floats (NaN included; only the
+    jsonl file writes it as null), the samples with their text, and one close; a decreasing
+    step is refused before any sink writes."""
+    calls = []
+
+    class Recorder(Sink):
+        def write(self, step, values):
+            calls.append(("write", step, dict(values)))
+
+        def write_samples(self, step, rows, text):
+            calls.append(("samples", step, rows, "-> c" in text))
+
+        def close(self):
+            calls.append(("close",))
+
+    logger = MetricsLogger(tmp_path, QUIET, total_steps=2)
+    logger.sinks.append(Recorder())
+    logger.log(2, {"loss": np.float32(0.5), "kl/penalty": float("nan")})
+    with pytest.raises(ValueError, match="must not decrease"):
+        logger.log(1, {"loss": 1.0})
+    logger.log_samples(2, [{"prompt": "p", "completion": "c", "reward": 1.0}])
+    logger.close()
+    logger.close()
+    (_, step, values), samples, close = calls
+    assert step == 2 and values["loss"] == 0.5 and type(values["loss"]) is float
+    assert math.isnan(values["kl/penalty"])
+    assert samples == (
+        "samples",
+        2,
+        [{"step": 2, "prompt": "p", "completion": "c", "reward": 1.0}],
+        True,
+    )
+    assert close == ("close",)
+    assert read_metrics(tmp_path) == [{"step": 2, "kl/penalty": None, "loss": 0.5}]

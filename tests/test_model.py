@@ -112,7 +112,8 @@ def test_padded_batch_matches_transformers(hf_pair, kernels):
     np.testing.assert_allclose(np.asarray(explicit)[valid], ref[valid], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
+# make test: the portable decode path against transformers' generate in test_sampling
+@pytest.mark.parametrize("kernels", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_cached_decode_matches_full_forward(hf_pair, kernels):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward,
     both attending over the whole cache and over a prefix of it (attend_len)."""

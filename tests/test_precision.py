@@ -2,6 +2,7 @@
 LM head equals losses.token_logprobs of the full logits, remat changes no number."""
 
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
-from jgrpo import losses, sharding, step, train
+from jgrpo import losses, optimizer, sharding, step, step_setup, train
 from jgrpo.config import ConfigError, MeshConfig, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import Transformer, TransformerConfig
@@ -44,7 +45,10 @@ def moments(opt_state) -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override, param_dtype",
-    [("model.dtype=bfloat16", "bfloat16"), ("model.compute_dtype=bfloat16", "float32")],
+    [
+        ("model.dtype=bfloat16", "bfloat16"),
+        pytest.param("model.compute_dtype=bfloat16", "float32", marks=pytest.mark.heavy),
+    ],
 )
 def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
     cfg = load_config(TINY, [*QUIET, override, "grpo.max_num_steps=3"])
@@ -76,7 +80,7 @@ def test_tiny_config_trains_in_bfloat16(tmp_path, override, param_dtype):
         assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: the portable path's parity in test_model, test_sampling
 def test_portable_kernels_train_the_tiny_config_on_cpu(tmp_path):
     """model.kernels=portable runs the GPU/TPU code path (jax.nn.dot_product_attention, the
     [b, s, k, h] cache, jax.random) on CPU, in the sampler and the trainer alike."""
@@ -127,7 +131,9 @@ def chunked_vs_reference(model, batch, temperature, chunk, first=1):
 
 
 @pytest.mark.parametrize(
-    "chunk, first", [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1), (4, 5), (0, 5), (2, 13), (0, 14)]
+    "chunk, first",
+    [pytest.param(*c, marks=pytest.mark.heavy) for c in [(1, 1), (4, 1), (5, 1), (14, 1), (0, 1)]]
+    + [(4, 5), (0, 5), (2, 13), (0, 14)],
 )
 def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
     """Any chunking, scoring every column (first 1) or only those from the completion's first
@@ -146,8 +152,14 @@ def test_chunked_logprobs_match_the_full_logits_reference(chunk, first):
         np.testing.assert_allclose(a, b, atol=2e-6 * float(np.abs(b).max()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("chunk", [4, 0])
+@pytest.mark.parametrize(
+    "chunk, tied",
+    [
+        (4, True),
+        (0, False),
+        *(pytest.param(*c, marks=pytest.mark.heavy) for c in [(4, False), (0, True)]),
+    ],
+)
 def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     """The trainer's layout (fsdp=8: rows split, the head split over the vocab inside the
     chunks, `sharding.LogitShardings`) gives the unsharded full-logits numbers, value and
@@ -162,7 +174,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     head = shardings["embed" if tied else "lm_head"]
     logits = sharding.logit_shardings(mesh, head, cfg.vocab_size)
     assert logits.head_vd is not None  # 128 divides 8: the vocab-parallel layout is in use
-    graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
+    graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
     params = nnx.to_pure_dict(nnx.state(model))
     batch = make_rollout_batch(3)  # 16 rows (2 per device), T = 14
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
@@ -174,7 +186,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
 
     # the reference runs the layers with the same rows per device, so only the head's layout
     # differs (dots of other shapes round differently in float32: not what is tested here)
-    ref_graphdef = step.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
+    ref_graphdef = step_setup.constrained_graphdef(model, sharding.batch_sharding(mesh, 3), None)
 
     def reference(p):
         m = nnx.merge(ref_graphdef, p)
@@ -201,7 +213,7 @@ def test_vocab_parallel_logprobs_match_the_full_logits_reference(tied, chunk):
     assert f"[{v // 8},{d}]" in hlo or f"[{d},{v // 8}]" in hlo
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("dots", marks=pytest.mark.heavy)])
 def test_remat_changes_no_number(remat):
     batch = make_rollout_batch(2)
     results = {}
@@ -252,5 +264,47 @@ def test_schedule_values_by_hand():
         flags = step.StepFlags.from_config(
             base.replace(optim=base.optim.__class__(**{**vars(base.optim), "schedule": schedule}))
         )
-        values = [float(step.make_schedule(flags)(i)) for i in range(11)]
+        multiplier = optimizer.make_schedule(
+            flags.schedule, flags.warmup_steps, flags.total_updates
+        )
+        values = [float(multiplier(i)) for i in range(11)]
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(remat):
+    """bfloat16 parameters reach the layer loop as their integer view (`_from_bits`): no
+    float32 copy of a stacked weight in the compiled program, and the gradients are those of
+    the same values held in float32 and cast to bfloat16 in the loop (float32 master weights,
+    bfloat16 compute: the same forward), up to bfloat16 rounding of the gradient itself."""
+    batch = make_rollout_batch(1)
+    ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
+    grads = {}
+    for param_dtype in ("bfloat16", "float32"):
+        cfg = TransformerConfig(
+            **{**vars(MODEL), "dtype": "bfloat16", "param_dtype": param_dtype, "remat": remat}
+        )
+        model = Transformer(cfg, rngs=nnx.Rngs(2), init_scale=0.3)
+        graphdef, params = nnx.split(model)
+        params = nnx.to_pure_dict(params)
+        if param_dtype == "float32":  # exactly the bfloat16 run's values
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+
+        def loss(p, graphdef=graphdef):
+            lp = nnx.merge(graphdef, p).token_logprobs(ids, mask)
+            return jnp.sum(lp * batch["token_mask"])
+
+        fn = jax.jit(jax.grad(loss))
+        grads[param_dtype] = fn(params)
+        if param_dtype == "bfloat16":  # no stacked layer weight converted whole to float32
+            hlo = fn.lower(params).compile().as_text()
+            entry = hlo[hlo.index("\nENTRY") :]
+            inputs = set(re.findall(r"%(\S*layers\S*) = bf16\[[\d,]*\]\S* parameter\(", entry))
+            assert len(inputs) == len(params["layers"])
+            upcasts = re.findall(r"= f32\[[\d,]*\]\S* (?:convert|fusion)\(%([^,)\s]+)\)", entry)
+            assert not inputs & set(upcasts)
+    for name in grads["float32"]["layers"]:
+        g16 = np.asarray(grads["bfloat16"]["layers"][name], np.float32)
+        g32 = np.asarray(grads["float32"]["layers"][name])
+        assert np.abs(g16).max() > 0, name  # the gradient reaches the bfloat16 weights
+        np.testing.assert_allclose(g16, g32, rtol=0.02, atol=0.02 * np.abs(g32).max())

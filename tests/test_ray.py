@@ -21,13 +21,8 @@ from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
 from jgrpo.rollout.engine import RolloutFailure
-from jgrpo.rollout.ray_backend import (
-    RayRollout,
-    WeightBroker,
-    assemble_shards,
-    local_shards,
-    pull_weights,
-)
+from jgrpo.rollout.ray_backend import RayRollout, WeightBroker, pull_weights
+from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks import make_task
 
 P, G = 2, 4
@@ -194,6 +189,7 @@ def test_async_staleness_bound(folder, versions):
         backend.close()
 
 
+@pytest.mark.heavy  # make test: test_failure_budget_raises_rollout_failure (a failing worker)
 def test_sigkilled_workers_are_restarted_and_steps_not_lost(folder, versions, local_results):
     want, _ = local_results
     cfg = ray_cfg(folder, "rollout.max_worker_failures=3")
@@ -342,7 +338,7 @@ def assert_same_metrics(got, want, split=False):
                 assert g[key] == value, (w["step"], key, g[key], value)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_sync_matches_local_backend
 def test_run_sync_ray_matches_local_run(tmp_path, local_run):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=1")
     assert_same_metrics(rows, local_run)
@@ -350,7 +346,7 @@ def test_run_sync_ray_matches_local_run(tmp_path, local_run):
     assert all(r["rollout/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_async_staleness_bound (the backend)
 def test_run_async_trains_with_bounded_staleness(tmp_path):
     rows = run_tiny(
         tmp_path / "run",
@@ -382,7 +378,7 @@ class KillWorkersOnCollect:
         return self.inner.collect(step)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: test_sigkilled_workers_are_restarted_and_steps_not_lost
 def test_run_survives_sigkilled_workers(tmp_path, local_run, monkeypatch):
     real = train.make_backend
     monkeypatch.setattr(train, "make_backend", lambda *a: KillWorkersOnCollect(real(*a), 1))

@@ -461,7 +461,8 @@ def shard_state(state, mesh):
 
 
 @pytest.mark.parametrize(
-    "temperature,kernels_path", [(0.0, "cpu"), (1.0, "cpu"), (1.0, "portable")]
+    "temperature,kernels_path",
+    [(0.0, "cpu"), pytest.param(1.0, "cpu", marks=pytest.mark.heavy), (1.0, "portable")],
 )
 def test_sharded_params_give_the_same_tokens(pair, temperature, kernels_path):
     model = with_kernels(pair[1], kernels_path)
@@ -484,7 +485,7 @@ def test_sharded_params_give_the_same_tokens(pair, temperature, kernels_path):
 # ----------------------------------------------------------------------------- real model
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # make test: tiny greedy parity; test_model: SmolLM2 logits
 def test_smollm2_greedy_matches_transformers():
     sources = pytest.importorskip("jgrpo.models.sources")
     try:

@@ -346,7 +346,7 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
     assert tok.decode(ids, skip_special_tokens=True).startswith("system\nYou are")
 
 
-@pytest.mark.slow  # ~6-9 s on 2 shared cores; the tiny-GGUF parity test covers q/k fast
+@pytest.mark.heavy  # the tiny-GGUF parity test covers q/k in make test
 def test_smollm2_greedy_answer(smollm2):
     """End to end (q/k un-permutation included): the converted model knows Paris."""
     folder, _ = smollm2

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROLLOUT_BATCH_BUCKET, TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
 
-from jgrpo import losses, sharding, step
+from jgrpo import inspect_step, losses, sharding, step, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import ConfigError, load_config
 from jgrpo.models import Transformer, TransformerConfig
@@ -34,7 +34,7 @@ def build(overrides=(), mesh_shape=(1, 1, 1), seed=0):
     )
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
     model = Transformer(MODEL, rngs=nnx.Rngs(seed), init_scale=0.2)
-    built = step.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
     # a reference policy that differs from the initial one, so the KL terms are not 0
     ref_params = jax.tree.map(lambda x: x * 0.9, built.state.params)
     batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
@@ -54,9 +54,9 @@ def compiled(overrides):
     fn, state, ref, hp, batch, *_ = build(overrides)
     exe = fn.lower(state, batch, hp, ref).compile()
     text = exe.as_text()
-    traced = step.forwards_in_jaxpr(jax.make_jaxpr(fn)(state, batch, hp, ref))
-    assert traced == step.forwards_in_hlo(text), "a forward was traced, then eliminated"
-    return exe.cost_analysis()["flops"], text.count(" dot("), step.forwards_in_hlo(text)
+    traced = inspect_step.forwards_in_jaxpr(jax.make_jaxpr(fn)(state, batch, hp, ref))
+    assert traced == inspect_step.forwards_in_hlo(text), "a forward was traced, then eliminated"
+    return exe.cost_analysis()["flops"], text.count(" dot("), inspect_step.forwards_in_hlo(text)
 
 
 def standalone_forward_cost():
@@ -64,7 +64,7 @@ def standalone_forward_cost():
     exe = (
         jax.jit(
             lambda p, b: step.frozen_logprobs(
-                "x", graphdef, p, b, hp["temperature"], 1, first_scored=flags.first_scored
+                "x", graphdef, p, b, hp.temperature, 1, first_scored=flags.first_scored
             )
         )
         .lower(state.params, batch)
@@ -96,9 +96,10 @@ def test_float_hyperparameters_do_not_recompile():
     fn, state, ref, hp, batch, *_ = build(["loss.reference_policy_kl_penalty=0.1"])
     state, _ = fn(state, batch, hp, ref)
     for key, value in [("ratio_clip_min", 0.1), ("reference_policy_kl_penalty", 0.3)]:
-        hp = {**hp, "loss": {**hp["loss"], key: jnp.float32(value)}}
+        hp = hp.replace(loss={**hp.loss, key: jnp.float32(value)})
         state, _ = fn(state, batch, hp, ref)
-    hp = {**hp, "learning_rate": jnp.float32(5e-4), "temperature": jnp.float32(0.7)}
+    optimizer = hp.optimizer.replace(learning_rate=jnp.float32(5e-4))
+    hp = hp.replace(optimizer=optimizer, temperature=jnp.float32(0.7))
     state, metrics = fn(state, batch, hp, ref)
     assert fn.top_level._cache_size() == 1  # the jit that top-level calls run
     assert float(metrics["train/learning_rate"]) == pytest.approx(5e-4)
@@ -125,9 +126,15 @@ def grads_for(num_microbatches, overrides=()):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["loss.reference_policy_kl_penalty=0.1"],
-        ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
-        ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+        pytest.param(["loss.reference_policy_kl_penalty=0.1"], marks=pytest.mark.heavy),
+        pytest.param(
+            ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param(
+            ["loss.aggregation=seq_sum_norm", "loss.use_importance_sampling_correction=true"],
+            marks=pytest.mark.heavy,
+        ),
         [
             "loss.aggregation=seq_mean",
             "loss.sequence_level_importance_ratios=true",
@@ -172,20 +179,32 @@ def one_step_on(mesh_shape):
     )
 
 
-def test_meshes_agree_and_really_shard():
-    results = {shape: one_step_on(shape) for shape in MESHES}
-    loss0, grads0, params0, shards0, _ = results[(1, 1, 1)]
-    for shape, (loss, grads, params, shards, new_state) in results.items():
-        assert loss == pytest.approx(loss0, abs=1e-5), shape
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
-        _, fsdp, tensor = shape
-        # q: [layers, embed, heads, head_dim] -> embed over fsdp, heads over tensor
-        assert shards["q"] == (2, 32 // fsdp, 4 // tensor, 8), shape
-        assert shards["gate"] == (2, 32 // fsdp, 64 // tensor), shape
-        # the output state keeps the param shardings (step two would not recompile)
-        q = new_state.params["layers"]["q"]
-        assert q.addressable_shards[0].data.shape == shards["q"]
+@pytest.fixture(scope="module")
+def one_device_step():
+    """one_step_on the 1-device mesh: the reference every mesh is compared with."""
+    return one_step_on(MESHES[0])
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(shape, marks=pytest.mark.heavy) for shape in MESHES[1:-1]] + [MESHES[-1]],
+    ids=lambda shape: "x".join(map(str, shape)),
+)
+def test_meshes_agree_and_really_shard(shape, one_device_step):
+    """One step on a mesh = the 1-device step (make test: data x fsdp x tensor = 2 x 2 x 2,
+    every axis at once; make test-all: every mesh of MESHES)."""
+    loss0, grads0, params0, _, _ = one_device_step
+    loss, grads, params, shards, new_state = one_step_on(shape)
+    assert loss == pytest.approx(loss0, abs=1e-5), shape
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, params0)
+    _, fsdp, tensor = shape
+    # q: [layers, embed, heads, head_dim] -> embed over fsdp, heads over tensor
+    assert shards["q"] == (2, 32 // fsdp, 4 // tensor, 8), shape
+    assert shards["gate"] == (2, 32 // fsdp, 64 // tensor), shape
+    # the output state keeps the param shardings (step two would not recompile)
+    q = new_state.params["layers"]["q"]
+    assert q.addressable_shards[0].data.shape == shards["q"]
 
 
 def test_nonfinite_update_is_skipped(rollout_batch):
@@ -233,7 +252,10 @@ def test_steps_raise_logprob_of_positive_advantage_completions():
     assert positive.any()
 
     def mean_logprob(params):
-        lp = np.asarray(step.sequence_logprobs(graphdef, params, batch, hp["temperature"]))
+        lp_bt = step.sequence_logprobs(
+            graphdef, params, batch.input_ids, batch.attention_mask, hp.temperature
+        )
+        lp = np.asarray(lp_bt)
         return (lp * mask)[positive].sum() / mask[positive].sum()
 
     start = mean_logprob(state.params)
@@ -258,7 +280,7 @@ def test_seq_sum_norm_does_not_depend_on_the_prompt_bucket():
     def grads_at(extra):
         fn, state, ref, hp, _, mesh, graphdef, flags = build(overrides)
         assert flags.loss.generation_budget == 256  # rollout.max_new_tokens, not the width
-        batch = sharding.shard_batch(widen_prompts(make_rollout_batch(0), extra), mesh)
+        batch = TrainBatch(**widen_prompts(make_rollout_batch(0), extra)).shard(mesh)
         data, _ = prepared(state, batch, hp, ref, flags, graphdef)
         grads, metrics = jax.jit(
             lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
@@ -292,7 +314,7 @@ def test_kl_in_reward_is_clamped_in_the_step():
         ]
     )
     data, _ = prepared(state, batch, hp, ref, flags, graphdef)
-    lo, lr = (np.asarray(data[k], np.float64) for k in ("prev_logprobs", "reference_logprobs"))
+    lo, lr = (np.asarray(x, np.float64) for x in (data.prev_logprobs, data.reference_logprobs))
     x = np.clip(lr - lo, -c_in, c_in)
     kl = beta * np.clip(np.exp(x) - 1 - x, -c_out, c_out)
     m = np.asarray(batch["token_mask"]) > 0
@@ -306,7 +328,7 @@ def test_kl_in_reward_is_clamped_in_the_step():
         kl_bt=jnp.asarray(kl, jnp.float32),
         sample_mask_b=host["sample_mask"],
     )
-    np.testing.assert_allclose(np.asarray(data["advantages"]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(data.advantages), want, rtol=1e-5, atol=1e-6)
 
 
 def test_seq_error_metrics_are_reported_before_and_after_the_threshold():
@@ -315,16 +337,16 @@ def test_seq_error_metrics_are_reported_before_and_after_the_threshold():
     )
     data, _ = prepared(state, batch, hp, ref, flags, graphdef)
     host = make_rollout_batch(0)
-    lo, lg = np.asarray(data["prev_logprobs"], np.float64), host["generation_logprobs"]
+    lo, lg = np.asarray(data.prev_logprobs, np.float64), host["generation_logprobs"]
     m = host["token_mask"] * host["sample_mask"][:, None]
     e = (np.exp(np.abs(lg - lo)) * m).sum(1) / m.sum(1)
     threshold = float(np.median(e))
-    hp = {**hp, "seq_logprob_error_threshold": jnp.float32(threshold)}
+    hp = hp.replace(seq_logprob_error_threshold=jnp.float32(threshold))
     data, metrics = prepared(state, batch, hp, ref, flags, graphdef)
     kept = e <= threshold
     assert 0 < kept.sum() < len(e)
     assert float(metrics["logprob/num_masked_seqs_by_logprob_error"]) == (~kept).sum()
-    np.testing.assert_array_equal(np.asarray(data["sample_mask"]), kept.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(data.sample_mask), kept.astype(np.float32))
     for part, rows in [("", np.ones_like(kept)), ("_kept", kept)]:
         for stat, fn_ in [("max", np.max), ("mean", np.mean), ("min", np.min)]:
             key = f"logprob/seq_error{part}_{stat}"
@@ -340,7 +362,7 @@ def test_frozen_split_trains_only_the_trainable_tree():
     losses_ = {}
     for name, trainable in {"all": None, "layers": nnx.PathContains("layers")}.items():
         model = Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.2)
-        built = step.build_step(cfg, model, mesh=mesh, trainable=trainable)
+        built = step_setup.build_step(cfg, model, mesh=mesh, trainable=trainable)
         before = jax.tree.map(np.asarray, (built.state.params, built.frozen))
         state, metrics = built.step_fn(built.state, batch, built.hparams, None, built.frozen)
         losses_[name] = float(metrics["loss/total"])

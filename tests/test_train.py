@@ -138,7 +138,7 @@ def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, mo
 def test_run_config_is_replaced_atomically(tmp_path, monkeypatch):
     """config.yaml goes through a fsynced temporary and a rename: a write that dies midway
     leaves the previous file whole (and no temporary); a finished one reads back."""
-    from jgrpo import metrics
+    from jgrpo import files
     from jgrpo.cli import run_folder_kind
     from jgrpo.export import load_run_config
 
@@ -149,7 +149,7 @@ def test_run_config_is_replaced_atomically(tmp_path, monkeypatch):
     def die(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(metrics.os, "fsync", die)
+    monkeypatch.setattr(files.os, "fsync", die)
     with pytest.raises(OSError, match="disk full"):
         train.write_run_config(tmp_path, load_config(TINY, ["grpo.seed=2"]))
     assert (tmp_path / "config.yaml").read_bytes() == before

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jgrpo import sharding, step
+from jgrpo import sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.models import Transformer, TransformerConfig
@@ -64,7 +64,8 @@ def time_variant(overrides, rows, seq, repeats):
         + overrides,
     )
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    built = step.build_step(cfg, Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.1), mesh=mesh)
+    model = Transformer(MODEL, rngs=nnx.Rngs(0), init_scale=0.1)
+    built = step_setup.build_step(cfg, model, mesh=mesh)
     fn, state, ref, hp = built.step_fn, built.state, built.ref_params, built.hparams
     batch = TrainBatch(**make_batch(rows, seq, rows // 8)).shard(mesh)
     start = time.perf_counter()
@@ -104,7 +105,7 @@ def measure_lora_vs_full(model_path, rank, rows, seq, repeats):
         )
         model = load_policy(cfg.model, seed=0)
         mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-        built = step.build_step(cfg, model, mesh=mesh)
+        built = step_setup.build_step(cfg, model, mesh=mesh)
         vocab = model.cfg.vocab_size
         host = make_batch(rows, seq, rows // 8)
         host["input_ids"] = host["input_ids"] % vocab

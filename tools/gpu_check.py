@@ -1,7 +1,7 @@
 """Accelerator check: train-step MFU, sampler throughput, memory and bf16 logprob agreement on
 random Qwen2.5-0.5B- and 1.5B-shaped models, with nothing downloaded. JSON out.
 
-    bash tools/gpu_check.sh [--out FILE]      # one H100/H200-class GPU, <= 8 minutes
+    bash tools/gpu_check.sh [--out FILE]      # one H100/H200-class GPU, <= 12 minutes
     bash tools/gpu_check.sh --tiny            # tiny shapes on CPU in seconds (the test runs it)
 
 Per shape it reports: sampler tokens/s (B rows x N new tokens, eos ignored, compile excluded);
@@ -11,7 +11,10 @@ off-policy (the prev forward runs); MFU = analytic model matmul flops of the ste
 flops) / step time / the chip's dense bf16 peak (`PEAK_BF16`, named in the output; null when
 the chip is not in the table, e.g. on CPU); the device's peak memory (`memory_stats`, null on
 CPU); and `logprob/token_mult_prob_error` of the trainer's bf16 logprobs against the sampler's
-on the sampled batch (1.0 = identical).
+on the sampled batch (1.0 = identical). First, `recipe`: configs/qwen25_0.5b_gsm8k.yaml's
+train step (tiny: configs/tiny.yaml's) on a random model of its shape and a random batch of
+its B x T for a few steps: step time, MFU, the device's peak memory against inspect-step's
+`peak_bytes_per_device_estimate` of the same step (`memory_vs_estimate`, null on CPU).
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
-from jgrpo import sampling, sharding, step
+from jgrpo import sampling, sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
-from jgrpo.inspect_step import analytic_flops
-from jgrpo.models import Transformer, TransformerConfig, model_options
+from jgrpo.inspect_step import analytic_flops, inspect_step
+from jgrpo.models import Transformer, TransformerConfig, model_options, policy_config
 from jgrpo.models.tiny import tiny_model_fields
 from jgrpo.rollout.engine import assemble_batch
 
@@ -64,6 +69,39 @@ SHAPES = {
     ),
 }
 TINY_SHAPE = TransformerConfig(**{**tiny_model_fields(width=64, vocab_size=256), **QWEN})
+ROOT = Path(__file__).resolve().parents[1]
+HF_QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-06}
+RECIPE = (  # the recipe run first, and its model's config.json (Qwen2.5-0.5B's hyperparameters)
+    ROOT / "configs" / "qwen25_0.5b_gsm8k.yaml",
+    {
+        **HF_QWEN,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    },
+)
+TINY_RECIPE = (
+    ROOT / "configs" / "tiny.yaml",
+    {
+        **HF_QWEN,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 256,
+    },
+)
+RECIPE_STEPS = 3
 SIZES = {"prompts": 8, "generations": 8, "prompt_len": 64, "new_tokens": 512, "repeats": 3}
 TINY_SIZES = {"prompts": 2, "generations": 4, "prompt_len": 8, "new_tokens": 8, "repeats": 2}
 
@@ -104,6 +142,79 @@ def model_for(model_cfg: TransformerConfig, cfg) -> Transformer:
     return Transformer(TransformerConfig(**{**vars(model_cfg), **options}), rngs=nnx.Rngs(0))
 
 
+def random_batch(cfg, vocab_size: int, seed: int = 0) -> TrainBatch:
+    """A [B, prompt_bucket + max_new_tokens] batch of random tokens: prompts fill the first
+    prompt_bucket columns, completions (token_mask 1) the rest; random rewards per group."""
+    g, ro = cfg.grpo, cfg.rollout
+    rows, prompt, new = g.batch_size, ro.prompt_bucket, ro.max_new_tokens
+    rng = np.random.RandomState(seed)
+    token_mask = np.zeros((rows, prompt + new), np.float32)
+    token_mask[:, prompt:] = 1.0
+    return TrainBatch.from_mapping(
+        {
+            "input_ids": rng.randint(1, vocab_size, (rows, prompt + new)).astype(np.int32),
+            "attention_mask": np.ones((rows, prompt + new), np.float32),
+            "token_mask": token_mask,
+            "generation_logprobs": np.where(token_mask > 0, -2.0, 0.0).astype(np.float32),
+            "rewards": rng.rand(rows).astype(np.float32),
+            "group_ids": np.repeat(
+                np.arange(g.num_prompts_per_step), g.num_generations_per_prompt
+            ).astype(np.int32),
+            "sample_mask": np.ones(rows, np.float32),
+        }
+    )
+
+
+def compare_memory(measured: int | None, estimate: int) -> float | None:
+    """measured / estimated peak bytes (None when the device reports no memory stats)."""
+    return None if measured is None else measured / estimate
+
+
+def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> dict:
+    """The recipe's train step on a random model of its shape (model.path = a folder holding
+    only `hf_config`), one device: inspect-step's estimate, then `steps` timed steps after a
+    compile. Run it first: the device's peak memory is the process's."""
+    if jax.device_count() != 1:  # inspect-step sizes the mesh of every visible device
+        return {
+            "skipped": f"{jax.device_count()} devices visible; needs one (CUDA_VISIBLE_DEVICES=0)"
+        }
+    device = jax.devices()[0]
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(hf_config))
+        cfg = load_config(config, [f"model.path={folder}", "mesh.data=1", "mesh.fsdp=1"])
+        estimate = inspect_step(cfg)
+        model_cfg = policy_config(cfg.model)
+    mesh = sharding.make_mesh(cfg.mesh, [device])
+    built = step_setup.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
+    batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
+    state, times = built.state, []
+    for _ in range(steps + 1):  # the first call compiles
+        start = time.perf_counter()
+        state, metrics = built.step_fn(state, batch, built.hparams, built.ref_params)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times[1:])
+    _, peak = peak_of(device)
+    model_flops = analytic_flops(cfg, built.model_cfg)["model"]
+    measured = peak_memory(device)
+    out = {
+        "config": str(config.relative_to(ROOT)),
+        "rows": cfg.grpo.batch_size,
+        "tokens": cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens,
+        "step_s": median,
+        "compile_s": times[0],
+        "model_flops": model_flops,
+        "mfu": None if peak is None else model_flops / median / peak,
+        "loss": float(metrics["loss/total"]),
+        "peak_memory_bytes": measured,
+        "estimate_peak_bytes": estimate["peak_bytes_per_device_estimate"],
+        "estimate_temp_bytes": estimate["temp_bytes_per_device"],
+        "memory_vs_estimate": compare_memory(measured, estimate["peak_bytes_per_device_estimate"]),
+    }
+    del state, built, batch
+    return out
+
+
 def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:
     devices = jax.devices()[:1]
     device = devices[0]
@@ -140,7 +251,7 @@ def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:
     }.items():
         cfg = run_config(sizes, overrides)
         mesh = sharding.make_mesh(cfg.mesh, devices)
-        built = step.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
+        built = step_setup.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
         batch = host.shard(mesh)
         state = built.state
         start = time.perf_counter()
@@ -185,6 +296,7 @@ def main(argv=None) -> dict:
         "shapes": {},
     }
     start = time.perf_counter()
+    report["recipe"] = check_recipe(*(TINY_RECIPE if args.tiny else RECIPE))
     for name, model_cfg in shapes.items():
         report["shapes"][name] = check_shape(name, model_cfg, sizes)
     report["total_s"] = time.perf_counter() - start

@@ -163,11 +163,8 @@ def train_sft(settings: Settings, base_folder: Path, cfg, log=print):
     opt_state = tx.init(params)
 
     def loss_fn(params, ids_bt, mask_bt):
-        batch = {
-            "input_ids": ids_bt,
-            "attention_mask": (ids_bt != tokenizer.pad_token_id) | (mask_bt > 0),
-        }
-        lp_bt = sequence_logprobs(graphdef, params, batch, 1.0)
+        attention_bt = (ids_bt != tokenizer.pad_token_id) | (mask_bt > 0)
+        lp_bt = sequence_logprobs(graphdef, params, ids_bt, attention_bt, 1.0)
         return -(lp_bt * mask_bt).sum() / mask_bt.sum()
 
     @jax.jit
