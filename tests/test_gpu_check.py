@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
-    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    # (every copy of the flag: an xdist worker inherits the parent's and conftest adds its own)
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags.split())}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--tiny", "--out", str(out)],
         env=env,
