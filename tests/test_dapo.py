@@ -330,6 +330,7 @@ def test_batch_multiplier_draws_more_prompts_per_generation_batch():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # in make test: the local dynamic-sampling tests
 def test_dynamic_sampling_on_ray_workers_matches_the_local_backend(tmp_path, monkeypatch):
     from jgrpo import train
     from jgrpo.metrics import read_metrics

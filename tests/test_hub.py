@@ -138,6 +138,7 @@ def test_download_then_cache_hit_with_the_server_stopped(repos, tmp_path):
 
 
 @pytest.mark.slow  # one tiny training step in a subprocess (jax import + compile)
+@pytest.mark.heavy  # in make test: the download, cache-hit and error tests
 def test_jgrpo_train_downloads_and_trains_a_step(repos, tmp_path):
     ids = [f"model.path={MODEL}", f"data.train_path={DATA}"]
     with HubServer(repos) as server:

@@ -204,6 +204,7 @@ def test_lora_optimizer_bytes_add_up_to_the_adapter_shapes():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # in make test: test_precision's layer-stack test
 def test_qwen25_1_5b_shape_pure_bf16_temporaries_hold_no_float32_copy(tmp_path):
     """The same 1.5B shape with pure bf16 parameters (model.dtype=bfloat16) against float32
     master weights. XLA:CPU slices bfloat16 arrays in float32: a scan over the stacked

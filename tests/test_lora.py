@@ -504,15 +504,19 @@ def lora_step_on(mesh_shape, overrides):
             ["loss.aggregation=seq_mean", "loss.sequence_level_importance_ratios=true"],
             marks=pytest.mark.heavy,
         ),
-        [
-            "grpo.advantage.estimator=reinforce_plus_plus",
-            "loss.use_kl_in_reward=true",
-            "loss.use_importance_sampling_correction=true",
-            "loss.truncated_importance_sampling_type=tis",
-            "loss.truncated_importance_sampling_ratio=2.0",
-        ],
+        pytest.param(
+            [
+                "grpo.advantage.estimator=reinforce_plus_plus",
+                "loss.use_kl_in_reward=true",
+                "loss.use_importance_sampling_correction=true",
+                "loss.truncated_importance_sampling_type=tis",
+                "loss.truncated_importance_sampling_ratio=2.0",
+            ],
+            marks=pytest.mark.heavy,
+        ),
     ],
 )
+# make test: test_step's 2x2x2 mesh test and the LoRA reference/training tests
 def test_lora_step_is_mesh_and_microbatch_invariant(overrides):
     """Loss and adapter gradients of a step: 1 device, 1 microbatch = 8 devices (data 2 x
     fsdp 2 x tensor 2) with 2 microbatches; the adapters are sharded like the weights they

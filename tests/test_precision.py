@@ -271,7 +271,7 @@ def test_schedule_values_by_hand():
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.heavy), "full"])
 def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(remat):
     """bfloat16 parameters reach the layer loop as their integer view (`_from_bits`): no
     float32 copy of a stacked weight in the compiled program, and the gradients are those of

@@ -122,6 +122,7 @@ def test_sync_matches_local_backend(folder, versions, local_results):
         backend.close()
 
 
+@pytest.mark.heavy  # in make test: test_sampling's shared-prefill tests (the same engine call)
 def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
     folder, versions, local_results, monkeypatch
 ):
@@ -162,6 +163,7 @@ def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
     assert group_sizes == [G, G]
 
 
+@pytest.mark.heavy  # in make test: test_sync_matches_local_backend
 def test_async_staleness_bound(folder, versions):
     """k = 1: the trainer requests step s + 1 + k after publishing version s + 1."""
     k, steps = 1, 4
@@ -242,7 +244,11 @@ def _held_by(x, process, process_of):
 
 @pytest.mark.parametrize(
     "shape",
-    [(1, 8, 1), (2, 4, 1), (2, 2, 2)],
+    [
+        (1, 8, 1),
+        pytest.param((2, 4, 1), marks=pytest.mark.heavy),
+        pytest.param((2, 2, 2), marks=pytest.mark.heavy),
+    ],
     ids=["fsdp-across-hosts", "replica-per-host", "replica-per-host-tensor"],
 )
 def test_pod_weight_sync_sends_each_shard_once_and_workers_assemble_it(folder, shape):

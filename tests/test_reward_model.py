@@ -207,6 +207,7 @@ def test_training_with_a_reward_model_and_a_function(tmp_path, monkeypatch):
     assert strip(read_metrics(part)) == strip(rows)
 
 
+@pytest.mark.heavy  # in make test: scores on a 2x2x2 mesh equal one device
 def test_training_on_a_2x2x2_mesh_matches_data_parallel(tmp_path, monkeypatch):
     folder = build_reward_model(tmp_path / "rm", "qwen2")
     overrides = [*_run_overrides(folder, tmp_path, monkeypatch), "grpo.max_num_steps=1"]

@@ -4,6 +4,7 @@ parameters. Parity and determinism run on both kernel paths (cpu and portable, s
 jgrpo.models.kernels): the GPU/TPU code is tested here on CPU too."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -548,9 +549,15 @@ def grouped_prompts(num_prompts, group, seed):
     return [p for p in make_prompts(lengths, seed=seed) for _ in range(group)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kernels_path", KERNELS)
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+SHARED_PREFILL_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 1.0)}
+"""The cases make test runs (one per kernel path, sampled); make test-all runs all eight."""
+SHARED_PREFILL_CASES = [
+    pytest.param(*case, marks=() if case in SHARED_PREFILL_FAST else pytest.mark.heavy)
+    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
+]
+
+
+@pytest.mark.parametrize("kernels_path,dtype,temperature", SHARED_PREFILL_CASES)
 def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, temperature):
     """group_size G: each prompt prefilled once for its G rows; the same tokens and logprobs
     as prefilling every row (draws keyed by row: the G rows of a prompt still differ)."""

@@ -106,6 +106,7 @@ def test_validation_pass_at_k_groups_samples_by_example():
 
 
 @pytest.mark.slow  # two one-step runs of configs/tiny.yaml
+@pytest.mark.heavy  # in make test: test_step's prompt-bucket test (loss and metrics)
 def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, monkeypatch):
     # the same rollouts padded to prompt buckets 8 and 64: seq_sum_norm divides by the
     # generation budget (rollout.max_new_tokens), not the padded width (1.197 vs 0.266 before).
