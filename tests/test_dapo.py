@@ -284,15 +284,20 @@ def coin(prompts, completions, **columns):
 """
 
 
+@pytest.fixture
+def coin_reward(tmp_path, monkeypatch):
+    """REWARD_MODULE importable as `coin_reward` here and in the reward process (and workers)."""
+    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+
 def test_dynamic_sampling_trains_no_all_equal_group_and_resume_repeats_the_run(
-    tmp_path, monkeypatch
+    tmp_path, coin_reward
 ):
     from jgrpo import train
     from jgrpo.metrics import read_metrics
 
-    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     overrides = [
         *QUIET,
         "grpo.use_dynamic_sampling=true",
@@ -331,13 +336,10 @@ def test_batch_multiplier_draws_more_prompts_per_generation_batch():
 
 @pytest.mark.slow
 @pytest.mark.heavy  # in make test: the local dynamic-sampling tests
-def test_dynamic_sampling_on_ray_workers_matches_the_local_backend(tmp_path, monkeypatch):
+def test_dynamic_sampling_on_ray_workers_matches_the_local_backend(tmp_path, coin_reward):
     from jgrpo import train
     from jgrpo.metrics import read_metrics
 
-    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     overrides = [
         *QUIET,
         "grpo.max_num_steps=2",
