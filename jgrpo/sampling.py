@@ -17,6 +17,7 @@ docs/sampler.md."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jgrpo.draws import greedy_token, sample_token
 from jgrpo.models import kernels
-from jgrpo.models.kernels import KernelPath, resolve_kernels
+from jgrpo.models.kernels import resolve_kernels
 from jgrpo.models.transformer import Transformer
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
@@ -57,6 +59,9 @@ class SamplingParams:
     """Do not stop at the model's eos_token_ids (stop_token_ids still stop); for benchmarks."""
     attention_chunk: int = 64
     """Decode steps per loop segment: attention reads the cache filled by the segment's end."""
+    decode_slots: Optional[int] = None
+    """Rows decoded at once (static): a stopped row's slot takes the next waiting row, so the
+    KV cache holds this many rows; None (or >= the rows) = every row at once."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -69,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 1 or None, got {self.top_k}")
         if self.prompt_bucket < 1 or self.attention_chunk < 1:
             raise ValueError("prompt_bucket and attention_chunk: must be >= 1")
+        if self.decode_slots is not None and self.decode_slots < 1:
+            raise ValueError(f"decode_slots: must be >= 1 or None, got {self.decode_slots}")
 
     @classmethod
     def from_rollout_config(cls, rollout, **overrides) -> SamplingParams:
@@ -80,6 +87,7 @@ class SamplingParams:
             top_p=rollout.top_p,
             top_k=rollout.top_k,
             prompt_bucket=rollout.prompt_bucket,
+            decode_slots=rollout.decode_slots,
         )
         return cls(**{**fields, **overrides})
 
@@ -98,6 +106,8 @@ class DecodeSpec:
     """The full stop set (model eos ids unless ignored, plus extra stops), sorted."""
     pad_id: int
     attention_chunk: int
+    decode_slots: Optional[int] = None
+    """Slots of the continuous-batching loop (< the rows); None = every row in one batch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,101 +132,6 @@ class Generation:
     """Decode-loop iterations run (<= N - 1; fewer when every row stopped early)."""
 
 
-# ----------------------------------------------------------------------------- sampling math
-
-
-def filter_logits(scaled_bv: jax.Array, top_p, top_k: Optional[int]) -> jax.Array:
-    """Top-k (static k) then top-p (traced p) on temperature-scaled logits; dropped -> -inf."""
-    v = scaled_bv.shape[-1]
-    sorted_bk = None
-    if top_k is not None and top_k < v:
-        sorted_bk, _ = jax.lax.top_k(scaled_bv, top_k)  # descending
-        scaled_bv = jnp.where(scaled_bv < sorted_bk[:, -1:], -jnp.inf, scaled_bv)
-
-    def nucleus(x_bv):
-        if sorted_bk is None:
-            return jnp.where(x_bv < _nucleus_threshold(x_bv, top_p), -jnp.inf, x_bv)
-        probs_bk = jax.nn.softmax(sorted_bk, axis=-1)
-        mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
-        num_keep_b = jnp.maximum(jnp.sum(mass_before_bk < top_p, axis=-1), 1)
-        threshold_b1 = jnp.take_along_axis(sorted_bk, num_keep_b[:, None] - 1, axis=-1)
-        return jnp.where(x_bv < threshold_b1, -jnp.inf, x_bv)
-
-    return jax.lax.cond(top_p < 1.0, nucleus, lambda x_bv: x_bv, scaled_bv)
-
-
-def _nucleus_threshold(x_bv, top_p):
-    """The largest logit value t with mass(x >= t) >= top_p, per row -> [b, 1].
-
-    Bisection over the float32 values' order-preserving uint32 keys: 32 masked sums over the
-    vocabulary instead of a full sort (a 49k-entry sort per row costs ~100x more on CPU), and
-    exact: the result is one of the row's own logit values.
-    """
-    probs_bv = jax.nn.softmax(x_bv, axis=-1)
-    bits_bv = jax.lax.bitcast_convert_type(x_bv, jnp.uint32)
-    negative = bits_bv >= jnp.uint32(0x80000000)
-    keys_bv = jnp.where(negative, ~bits_bv, bits_bv | jnp.uint32(0x80000000))
-    lo_b = jnp.min(keys_bv, axis=-1)  # mass(x >= min) = 1 >= top_p: lo always qualifies
-    hi_b = jnp.max(keys_bv, axis=-1)
-
-    def step(_, bounds):
-        lo_b, hi_b = bounds
-        gap_b = hi_b - lo_b
-        mid_b = lo_b + gap_b // 2 + (gap_b & 1)  # ceil midpoint, no uint32 overflow
-        mass_b = jnp.sum(jnp.where(keys_bv >= mid_b[:, None], probs_bv, 0.0), axis=-1)
-        ok_b = (mass_b >= top_p) & (lo_b < hi_b)
-        return jnp.where(ok_b, mid_b, lo_b), jnp.where(ok_b | (lo_b >= hi_b), hi_b, mid_b - 1)
-
-    lo_b, _ = jax.lax.fori_loop(0, 32, step, (lo_b, hi_b))
-    keep_bv = keys_bv >= lo_b[:, None]
-    return jnp.min(jnp.where(keep_bv, x_bv, jnp.inf), axis=-1, keepdims=True)
-
-
-def greedy_token(logits_bv, path: KernelPath):
-    """Greedy pick in float32 -> (token_b = first argmax, log_softmax(logits)[token_b]).
-
-    The logprob is -log(sum(exp(logits - max))): log_softmax at the argmax, where
-    `logits - max` is exactly 0 (bit-identical to indexing `jax.nn.log_softmax`)."""
-    logits_bv = logits_bv.astype(jnp.float32)
-    max_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)  # shared with the CPU argmax's (CSE)
-    logprob_b = -jnp.log(jnp.sum(jnp.exp(logits_bv - max_b1), axis=-1))
-    return kernels.argmax(logits_bv, path), logprob_b
-
-
-def sample_token(
-    logits_bv,
-    keys_b,
-    temperature,
-    top_p,
-    top_k: Optional[int],
-    nucleus: bool = True,
-    *,
-    path: KernelPath,
-):
-    """Draw one token per row at temperature > 0 in float32
-    -> (token_b, logprob_b, filtered_logprob_b).
-
-    Gumbel-max over the filtered, temperature-scaled logits with one key per row (a row's draw
-    does not depend on which other rows share the batch): `jax.random.categorical`'s draw,
-    with the platform's Gumbel and argmax kernels (`path`; the same bits on every path).
-    `nucleus=False` (static) promises top_p == 1: with no top_k either, nothing is filtered
-    and the two logprobs coincide.
-    """
-    scaled_bv = logits_bv.astype(jnp.float32) / temperature
-    filtering = nucleus or top_k is not None
-    filtered_bv = filter_logits(scaled_bv, top_p, top_k) if filtering else scaled_bv
-    noise_bv = kernels.gumbel_noise(keys_b, filtered_bv.shape[1], path)
-    token_b = kernels.argmax(filtered_bv + noise_bv, path)
-
-    def pick(logp_bv):
-        return jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
-
-    logprob_b = pick(jax.nn.log_softmax(scaled_bv, axis=-1))
-    if not filtering:
-        return token_b, logprob_b, logprob_b
-    return token_b, logprob_b, pick(jax.nn.log_softmax(filtered_bv, axis=-1))
-
-
 # ----------------------------------------------------------------------------- the jitted core
 
 
@@ -231,6 +146,23 @@ def compile_count() -> int:
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def cache_length(prompt_width: int, max_new_tokens: int) -> int:
+    """Slots per row of the KV cache: the prompt's P and the N - 1 tokens fed back (the last
+    token is never fed), rounded up to a multiple of 16."""
+    return _round_up(prompt_width + max_new_tokens - 1, _SLOT_ALIGN)
+
+
+def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingParams) -> int:
+    """Bytes of the KV cache of one `generate` call over `rows` rows: keys and values of every
+    layer for min(rows, params.decode_slots) rows x `cache_length` slots, in the compute dtype
+    (the staged prompt of the decode-slot loop adds one row)."""
+    slots = params.decode_slots
+    held = rows if slots is None or slots >= rows else slots + 1
+    per_row = cache_length(prompt_width, params.max_new_tokens) * 2 * model_cfg.num_layers
+    per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * model_cfg.jnp_dtype.itemsize
+    return held * per_row
 
 
 def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -265,10 +197,24 @@ def _generate_padded(
     prompt_lengths_u = prompt_lengths_u.astype(jnp.int32)
     prompt_mask_up = jnp.arange(p)[None, :] >= p - prompt_lengths_u[:, None]
     positions_up = jnp.maximum(jnp.cumsum(prompt_mask_up, axis=-1) - 1, 0)
-    cache_len = _round_up(p + n - 1, _SLOT_ALIGN)  # slots past p + n - 2 are never written
+    cache_len = cache_length(p, n)
     path = resolve_kernels(model.cfg.kernels)
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
+    if spec.decode_slots is not None:
+        return _decode_in_slots(
+            model,
+            layers,
+            prompt_ids_up,
+            prompt_lengths_u,
+            key,
+            temperature,
+            top_p,
+            row_ids_b,
+            spec=spec,
+            cache_len=cache_len,
+            path=path,
+        )
     logits_uv, cache = model.prefill(
         prompt_ids_up, positions_up, prompt_mask_up, cache_len, last_layer=layers[-1]
     )
@@ -354,6 +300,165 @@ def _generate_padded(
     )
 
 
+def _decode_in_slots(
+    model,
+    layers,
+    prompt_ids_up,
+    prompt_lengths_u,
+    key,
+    temperature,
+    top_p,
+    row_ids_b,
+    *,
+    spec,
+    cache_len,
+    path,
+):
+    u, p = prompt_ids_up.shape
+    b = row_ids_b.shape[0]
+    group = b // u
+    n = spec.max_new_tokens
+    num_slots = spec.decode_slots
+    stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+    if not spec.greedy:
+        temperature = jnp.asarray(temperature, jnp.float32)
+        top_p = jnp.asarray(top_p, jnp.float32)
+        row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids_b)
+
+    def draw(rows_k, i_k, logits_kv):
+        if spec.greedy:
+            token_k, lp_k = greedy_token(logits_kv, path)
+            return token_k, lp_k, jnp.zeros_like(lp_k)
+        keys_k = jax.vmap(jax.random.fold_in)(row_keys_b[jnp.minimum(rows_k, b - 1)], i_k)
+        return sample_token(
+            logits_kv, keys_k, temperature, top_p, spec.top_k, spec.nucleus, path=path
+        )
+
+    def record(out, rows_k, i_k, logits_kv, live_k):
+        """Draw token i_k of rows rows_k (where live_k) and write it -> (out, token_k, ended_k)."""
+        tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = out
+        token_k, lp_k, flp_k = draw(rows_k, i_k, logits_kv)
+        at_k = jnp.where(live_k, rows_k, b)  # out of range: dropped
+        stop_k = jnp.isin(token_k, stops)
+        out = (
+            tokens_bn.at[at_k, i_k].set(token_k, mode="drop"),
+            logprobs_bn.at[at_k, i_k].set(lp_k, mode="drop"),
+            filtered_bn.at[at_k, i_k].set(flp_k, mode="drop"),
+            lengths_b.at[at_k].set(i_k + 1, mode="drop"),
+            stopped_b.at[at_k].set(stop_k, mode="drop"),
+        )
+        return out, token_k, stop_k | (i_k + 1 >= n)
+
+    def prefill_prompt(prompt):
+        """Prompt `prompt`'s (1 row) last logits and cache, staged for its rows."""
+        ids_1p = jax.lax.dynamic_slice_in_dim(prompt_ids_up, prompt, 1)
+        mask_1p = jnp.arange(p)[None, :] >= p - prompt_lengths_u[prompt]
+        positions_1p = jnp.maximum(jnp.cumsum(mask_1p, axis=-1) - 1, 0)
+        logits_1v, cache_1 = model.prefill(
+            ids_1p, positions_1p, mask_1p, cache_len, last_layer=layers[-1]
+        )
+        return prompt, logits_1v, cache_1
+
+    def admit(state):
+        """Give the next waiting row's prompt (prefilled once: it stays staged until its last
+        row is in) to as many free slots as there are waiting rows of it; draw their token 0."""
+        next_row, staged, slots, cache, out = state
+        row_s, emitted_s, token_s, active_s, plen_s = slots
+        free_s = ~active_s
+        prompt = next_row // group
+        staged = jax.lax.cond(staged[0] == prompt, lambda: staged, lambda: prefill_prompt(prompt))
+        _, logits_1v, cache_1 = staged
+        take = jnp.minimum(jnp.sum(free_s), group - next_row % group)
+        j_g = jnp.arange(group)
+        live_g = j_g < take
+        slot_g = jnp.nonzero(free_s, size=group, fill_value=num_slots)[0]
+        slot_g = jnp.where(live_g, slot_g, num_slots)  # out of range: dropped
+        rows_g = next_row + j_g
+        put = lambda c, c1: c.at[slot_g].set(
+            jnp.broadcast_to(c1, (group,) + c1.shape[1:]), mode="drop"
+        )
+        cache = jax.tree.map(put, cache, cache_1)
+        logits_gv = jnp.broadcast_to(logits_1v, (group, logits_1v.shape[-1]))
+        zero_g = jnp.zeros((group,), jnp.int32)
+        out, token_g, ended_g = record(out, rows_g, zero_g, logits_gv, live_g)
+        slots = (
+            row_s.at[slot_g].set(rows_g, mode="drop"),
+            emitted_s.at[slot_g].set(1, mode="drop"),
+            token_s.at[slot_g].set(token_g, mode="drop"),
+            active_s.at[slot_g].set(~ended_g, mode="drop"),
+            plen_s.at[slot_g].set(prompt_lengths_u[prompt], mode="drop"),
+        )
+        return next_row + take, staged, slots, cache, out
+
+    def fill(state):
+        waiting = lambda st: (st[0] < b) & ~jnp.all(st[2][3])
+        return jax.lax.while_loop(waiting, admit, state)
+
+    staged = jax.tree.map(jnp.zeros_like, jax.eval_shape(prefill_prompt, jnp.asarray(0, jnp.int32)))
+    staged = (jnp.asarray(-1, jnp.int32),) + staged[1:]
+    cache = jax.tree.map(lambda x: jnp.zeros((num_slots,) + x.shape[1:], x.dtype), staged[2])
+    slots = (
+        jnp.full((num_slots,), b, jnp.int32),
+        jnp.zeros((num_slots,), jnp.int32),
+        jnp.zeros((num_slots,), jnp.int32),
+        jnp.zeros((num_slots,), jnp.bool_),
+        jnp.zeros((num_slots,), jnp.int32),
+    )
+    out = (
+        jnp.full((b, n), spec.pad_id, jnp.int32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b, n), jnp.float32),
+        jnp.zeros((b,), jnp.int32),
+        jnp.zeros((b,), jnp.bool_),
+    )
+
+    def step(loop, attend_len):
+        """One decode step of every slot: feed its last token, draw its next."""
+        t, (next_row, staged, slots, cache, out) = loop
+        row_s, emitted_s, token_s, active_s, plen_s = slots
+        col_s = jnp.where(active_s, p + emitted_s - 1, p)  # free slots write where unread
+        positions_s = jnp.where(active_s, plen_s + emitted_s - 1, 0)
+        kv_mask_sl = jnp.arange(cache_len)[None, :] >= p - plen_s[:, None]
+        logits_sv, cache = model.decode_step(
+            layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len
+        )
+        out, token_s, ended_s = record(out, row_s, emitted_s, logits_sv, active_s)
+        slots = (row_s, emitted_s + 1, token_s, active_s & ~ended_s, plen_s)
+        return t + 1, (next_row, staged, slots, cache, out)
+
+    def decode(loop):
+        """Fill the free slots, then decode until a slot frees up while rows wait. Steps in
+        [start, end) of a segment attend the cache slots written by then (a slot's row
+        entered at a step >= 0, so its token i < t); the last segment runs to the end."""
+        loop = (loop[0], fill(loop[1]))
+        segments = _segments(n, spec.attention_chunk) or [(1, 2)]
+        for k, (_, end) in enumerate(segments):
+            last = k == len(segments) - 1
+            attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
+
+            def cond(loop, end=end, last=last):
+                t, (next_row, _, slots, _, _) = loop
+                go = jnp.any(slots[3]) & ((next_row >= b) | jnp.all(slots[3]))
+                return go if last else go & (t < end)
+
+            attend_len = cache_len if last else attend_len
+            loop = jax.lax.while_loop(cond, functools.partial(step, attend_len=attend_len), loop)
+        return loop
+
+    state = (jnp.asarray(0, jnp.int32), staged, slots, cache, out)
+    busy = lambda loop: (loop[1][0] < b) | jnp.any(loop[1][2][3])
+    t, state = jax.lax.while_loop(busy, decode, (jnp.asarray(1, jnp.int32), state))
+    tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = state[4]
+    return dict(
+        tokens=tokens_bn,
+        logprobs=logprobs_bn,
+        filtered_logprobs=filtered_bn,
+        lengths=lengths_b,
+        truncated=~stopped_b,
+        num_decode_steps=t - 1,
+    )
+
+
 generate_padded = jax.jit(
     _generate_padded, static_argnames="spec", compiler_options=kernels.COMPILER_OPTIONS
 )
@@ -395,6 +500,7 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
         stop_token_ids=tuple(sorted(set(eos) | set(params.stop_token_ids))),
         pad_id=int(pad_id),
         attention_chunk=params.attention_chunk,
+        decode_slots=params.decode_slots,
     )
 
 
@@ -435,6 +541,8 @@ def generate(
     if not isinstance(model, nnx.Module):
         model = nnx.merge(*model)  # shares the state's arrays
     spec = make_decode_spec(model.cfg, params)
+    if spec.decode_slots is not None and spec.decode_slots >= len(prompts):
+        spec = dataclasses.replace(spec, decode_slots=None)  # every row at once: one batch
     unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
     ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(

@@ -17,14 +17,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jgrpo.config import RolloutConfig
+from jgrpo.draws import filter_logits
 from jgrpo.losses import token_logprobs as trainer_token_logprobs
 from jgrpo.models import from_pretrained, kernels
-from jgrpo.sampling import (
-    SamplingParams,
-    compile_count,
-    filter_logits,
-    generate,
-)
+from jgrpo.sampling import SamplingParams, compile_count, generate
 
 VOCAB, PAD, EOS = 128, 0, 1
 KERNELS = ["cpu", "portable"]
@@ -608,3 +604,70 @@ def test_shared_prefill_checks_the_groups(pair):
     prompts[4] = prompts[4] + [7]
     with pytest.raises(ValueError, match="row 4's prompt differs from its group's first row 3"):
         generate(model, prompts, params, jax.random.key(0), group_size=3)
+
+
+# ----------------------------------------------------------------------------- decode slots
+
+STOPS = tuple(range(2, 14))
+"""12 of the 128 tokens stop a row: lengths spread from 1 to the cap, so slots free up early."""
+DECODE_SLOTS_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 1.0)}
+"""The cases make test runs (one per kernel path, sampled); make test-all runs all eight."""
+DECODE_SLOTS_CASES = [
+    pytest.param(*case, marks=() if case in DECODE_SLOTS_FAST else pytest.mark.heavy)
+    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
+]
+
+
+@pytest.mark.parametrize("kernels_path,dtype,temperature", DECODE_SLOTS_CASES)
+def test_decode_slots_give_the_same_tokens(pair, kernels_path, dtype, temperature):
+    """decode_slots S < rows: a stopped row's slot takes the next waiting row (prefilled into
+    it); draws are keyed by row, so S = rows, rows / 2 and rows / 8 give the tokens of one
+    batch of every row, with and without shared prefill (S = 2 < G = 4: a prompt's rows enter
+    in parts, its prefill staged until the last one is in)."""
+    model = with_kernels(pair[1], kernels_path)
+    model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
+    prompts, group = grouped_prompts(4, 4, seed=6), 4  # 16 rows
+    params = SamplingParams(
+        max_new_tokens=12, temperature=temperature, top_p=0.9, prompt_bucket=8, stop_token_ids=STOPS
+    )
+    key = jax.random.key(8)
+    ref = generate(model, prompts, params, key, first_row=6)  # every row in one batch
+    assert ref.lengths.min() <= 2 and ref.truncated.any(), ref.lengths  # early and late stops
+    variants = [(8, 1), (2, group)]  # (slots, group_size): rows / 2 per row, rows / 8 shared
+    if (kernels_path, dtype, temperature) not in DECODE_SLOTS_FAST:
+        variants += [(16, group), (8, group), (2, 1)]
+    for slots, group_size in variants:
+        slot_params = dataclasses.replace(params, decode_slots=slots)
+        out = generate(model, prompts, slot_params, key, first_row=6, group_size=group_size)
+        for name in ("tokens", "lengths", "truncated", "prompt_tokens", "prompt_lengths"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), name)
+        # a step advances at most `slots` rows (a row of length L takes L - 1 steps)
+        assert out.num_decode_steps >= np.sum(ref.lengths - 1) / slots
+        # float32: the prefill of one prompt per slot rounds apart from the one over every row
+        # at the ulp level (XLA:CPU picks another dot kernel for another number of rows, as in
+        # test_split_batch_samples_what_the_whole_batch_samples): measured <= 9 ulps
+        for name in ("logprobs", "filtered_logprobs"):
+            np.testing.assert_allclose(getattr(out, name), getattr(ref, name), atol=1e-5)
+
+
+def test_decode_slots_compile_once_per_shape(pair):
+    """The decode-slot program's shapes are rows, prompt bucket, slots and the cache length
+    (bucket + max_new_tokens): new prompts in the bucket, temperatures and top_p reuse it, and
+    every slot count >= rows runs the one-batch program."""
+    model = with_kernels(pair[1], "cpu")  # the fast case above: its programs, when it ran
+    params = SamplingParams(
+        max_new_tokens=12, temperature=1.0, top_p=0.9, prompt_bucket=8, stop_token_ids=STOPS
+    )
+    slot_params = dataclasses.replace(params, decode_slots=2)
+    prompts = grouped_prompts(4, 4, seed=6)
+    generate(model, prompts, slot_params, jax.random.key(0))  # compiles here or ran above
+    generate(model, prompts, params, jax.random.key(0))
+    before = compile_count()
+    other = make_prompts([16, 1, 2, 5, 9, 3, 3, 6, 4, 4, 2, 8, 1, 1, 5, 11], seed=2)  # P = 16
+    hotter = dataclasses.replace(slot_params, temperature=1.3, top_p=0.8)
+    generate(model, other, hotter, jax.random.key(1), first_row=5)
+    for slots in (None, 16, 64):  # >= rows: one batch of every row
+        generate(model, other, dataclasses.replace(params, decode_slots=slots), jax.random.key(1))
+    assert compile_count() == before
+    generate(model, other, dataclasses.replace(params, decode_slots=4), jax.random.key(1))
+    assert compile_count() == before + 1  # another slot count: another program

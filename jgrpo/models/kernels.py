@@ -137,13 +137,15 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
     sampler rounds as the trainer's forward does."""
     zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
     s = mask_bs.shape[1]
+    rows_b = jnp.arange(q_b1nh.shape[0])  # with one slot per row (slot [b]): a scatter
     if path == "portable":
-        keys = jax.lax.dynamic_update_slice(
-            keys, k_b1kh.astype(keys.dtype), (zero, slot, zero, zero)
-        )
-        values = jax.lax.dynamic_update_slice(
-            values, v_b1kh.astype(values.dtype), (zero, slot, zero, zero)
-        )
+        k_new, v_new = k_b1kh.astype(keys.dtype), v_b1kh.astype(values.dtype)
+        if slot.ndim:
+            keys = keys.at[rows_b, slot].set(k_new[:, 0])
+            values = values.at[rows_b, slot].set(v_new[:, 0])
+        else:
+            keys = jax.lax.dynamic_update_slice(keys, k_new, (zero, slot, zero, zero))
+            values = jax.lax.dynamic_update_slice(values, v_new, (zero, slot, zero, zero))
         out_b1nh = jax.nn.dot_product_attention(
             q_b1nh.astype(keys.dtype),
             keys[:, :s],
@@ -155,10 +157,14 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
 
     b, _, n, h = q_b1nh.shape
     k_heads = keys.shape[1]
-    k_bkh1 = jnp.transpose(k_b1kh, (0, 2, 3, 1)).astype(keys.dtype)
-    keys = jax.lax.dynamic_update_slice(keys, k_bkh1, (zero, zero, zero, slot))
-    v_bk1h = jnp.swapaxes(v_b1kh, 1, 2).astype(values.dtype)
-    values = jax.lax.dynamic_update_slice(values, v_bk1h, (zero, zero, slot, zero))
+    if slot.ndim:
+        keys = keys.at[rows_b, :, :, slot].set(k_b1kh[:, 0].astype(keys.dtype))
+        values = values.at[rows_b, :, slot].set(v_b1kh[:, 0].astype(values.dtype))
+    else:
+        k_bkh1 = jnp.transpose(k_b1kh, (0, 2, 3, 1)).astype(keys.dtype)
+        keys = jax.lax.dynamic_update_slice(keys, k_bkh1, (zero, zero, zero, slot))
+        v_bk1h = jnp.swapaxes(v_b1kh, 1, 2).astype(values.dtype)
+        values = jax.lax.dynamic_update_slice(values, v_bk1h, (zero, zero, slot, zero))
     q_bkgh = q_b1nh.reshape(b, k_heads, n // k_heads, h)
     scores_bkgs = jnp.einsum(
         "bkgh,bkhs->bkgs", q_bkgh, keys[..., :s], preferred_element_type=jnp.float32

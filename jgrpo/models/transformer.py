@@ -578,7 +578,8 @@ class Transformer(nnx.Module):
         path = resolve_kernels(cfg.kernels)
         num_slots = _kernels.cache_slots(cache.keys[0], path)
         s = num_slots if attend_len is None else attend_len
-        mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot)
+        slot = jnp.asarray(slot, jnp.int32)
+        mask_bs = kv_mask_bs[:, :s] & (jnp.arange(s)[None, :] <= slot[..., None])
         rope = rope_tables(cfg, positions_b[:, None], num_positions=kv_mask_bs.shape[1])
 
         # sampled ids are in range by construction; "clip" skips the out-of-range fill select
