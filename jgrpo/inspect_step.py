@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jgrpo import compile_cache, step, step_setup
+from jgrpo import compile_cache, sampling, step, step_setup
 from jgrpo.config import Config
 from jgrpo.models import load_policy
 from jgrpo.models.lora import adapter_layout
@@ -184,12 +184,13 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
 
 
 def kv_cache_bytes(cfg: Config, model_cfg) -> int:
-    """Bytes of the sampler's KV cache for one rollout batch: every layer's keys and values
-    for B rows x (prompt_bucket + max_new_tokens) slots, in the compute dtype."""
-    ro = cfg.rollout
-    slots = ro.prompt_bucket + ro.max_new_tokens
-    per_slot = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-    return cfg.grpo.batch_size * slots * per_slot * model_cfg.jnp_dtype.itemsize
+    """Bytes of the sampler's KV cache for one rollout batch (`sampling.kv_cache_bytes`): the
+    P x G rows, or rollout.decode_slots of them (+ the staged prompt), x the cache length of
+    prompt_bucket + max_new_tokens, every layer's keys and values in the compute dtype."""
+    params = sampling.SamplingParams.from_rollout_config(cfg.rollout)
+    return sampling.kv_cache_bytes(
+        model_cfg, cfg.grpo.batch_size, cfg.rollout.prompt_bucket, params
+    )
 
 
 def reward_model_bytes(cfg: Config, mesh) -> int:

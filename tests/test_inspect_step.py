@@ -233,3 +233,14 @@ def test_qwen25_1_5b_shape_pure_bf16_temporaries_hold_no_float32_copy(tmp_path):
     assert 0 < extra <= 1.2 * view < float32_copy  # the hoisted float32 copy would be 2x view
     assert mixed["temp_bytes_per_device"] <= 4 * 2**30
     assert bf16["temp_bytes_per_device"] <= 4.1 * 2**30
+
+
+def test_kv_cache_bytes_with_decode_slots():
+    """The sampler's KV cache by hand for the tiny config (float32, 2 layers, 2 kv heads of 16,
+    4 x 4 rows, prompt bucket 16, 8 new tokens: 16 + 8 - 1 slots rounded up to 32): every row,
+    or rollout.decode_slots rows and the staged prompt's."""
+    per_row = 32 * 2 * 2 * 2 * 16 * 4  # slots x (k, v) x layers x kv heads x head dim x bytes
+    rows = inspect_step(load_config(TINY, []), compile=False)
+    slots = inspect_step(load_config(TINY, ["rollout.decode_slots=4"]), compile=False)
+    assert rows["kv_cache_bytes"] == 16 * per_row
+    assert slots["kv_cache_bytes"] == (4 + 1) * per_row

@@ -350,6 +350,10 @@ def check_rollout(cfg: Config) -> None:
     _require(ro.temperature >= 0, "rollout.temperature: must be >= 0")
     _require(0 < ro.top_p <= 1, "rollout.top_p: must lie in (0, 1]")
     _require(ro.top_k is None or ro.top_k >= 1, "rollout.top_k: must be >= 1 (or null)")
+    _require(
+        ro.decode_slots is None or ro.decode_slots >= 1,
+        f"rollout.decode_slots: must be >= 1 (or null = every row), got {ro.decode_slots}",
+    )
     if ro.max_staleness > 0:
         _require(
             cfg.loss.use_importance_sampling_correction,

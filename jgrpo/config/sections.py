@@ -339,6 +339,8 @@ class RolloutConfig:
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
     shared_prefill: bool = False
     """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
+    decode_slots: Optional[int] = None
+    """Rows decoded at once per sampler call; a stopped row's slot takes the next (None = all)."""
 
 
 @dataclasses.dataclass(**_FROZEN)
