@@ -17,26 +17,38 @@ Configs: A = tiny random Qwen2 (d 64, 2 layers, 4 heads, 2 kv heads, vocab 100),
 32-token prompts, 32 new tokens; B = SmolLM2-135M (16 rows x 32-token prompts, 64 new tokens)
 when `jgrpo.models.sources.resolve_model_path("smollm2")` is available.
 
+Decode slots (`--slots`; `make bench` runs it too): `rollout.decode_slots` against one batch of
+every row (today's default program), with and without shared prefill, on a skewed and a uniform
+workload of 16 prompts x 8 rows with 64-token prompts, sampling at temperature 1. The model has
+the shape of A (vocabulary 512) or of SmolLM2-135M, random weights and an all-zero LM head, so
+every token is drawn uniformly: skewed = the first k = round(V (1 - 2^(-8/N))) ids stop a row
+(geometric lengths, median N / 8, the cap truncates the tail); uniform = no stop, N tokens per
+row. Tokens/s counts the tokens generated (stop included), so padding never counts.
+
     python tools/bench_sampler.py            # A (7 rounds) and B (2 rounds)
     python tools/bench_sampler.py --quick    # A only, 3 rounds
     python tools/bench_sampler.py --kernels portable   # the GPU/TPU kernel path (on any backend)
+    python tools/bench_sampler.py --slots [--quick]    # the decode-slot table instead
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
 from jgrpo.config import ModelConfig
-from jgrpo.models import load_policy
+from jgrpo.models import Transformer, TransformerConfig, load_policy, policy_config
 from jgrpo.models.kernels import KERNEL_CHOICES, resolve_kernels
 from jgrpo.sampling import SamplingParams, generate
 
@@ -183,6 +195,154 @@ def bench(
     }
 
 
+# ------------------------------------------------------------------------ decode slots
+SLOT_PROMPTS, SLOT_GROUP, SLOT_PROMPT_LEN = 16, 8, 64
+"""The slot workloads: 16 prompts x 8 rows (one GRPO step's groups), 64-token prompts."""
+TINY_SHAPE = TransformerConfig(
+    family="qwen2",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    attention_bias=True,
+    max_position_embeddings=1024,
+)
+"""Config A's shape (d 64, 2 layers, 4 heads, 2 kv heads) with a 512-token vocabulary, so the
+stop set of the skewed workload gives a median of N / 8 closely."""
+
+
+def uniform_draw_model(shape: TransformerConfig, seed: int = 0) -> Transformer:
+    """A model of `shape` (untied) with random weights and an all-zero LM head: every logit is
+    0 in every context, so each token is drawn uniformly; its forward costs what any weights
+    cost (dense matmuls)."""
+    model = Transformer(
+        dataclasses.replace(shape, tie_word_embeddings=False, lora=None), rngs=nnx.Rngs(seed)
+    )
+    model.lm_head[...] = jnp.zeros_like(model.lm_head[...])
+    return model
+
+
+def skewed_stops(vocab: int, new_tokens: int) -> tuple[int, ...]:
+    """Ids 1..k, k = round(V (1 - 2^(-8/N))): under uniform draws a row stops at each token
+    with probability k / V, so its length is geometric with median ~N / 8 (0 is the pad)."""
+    k = max(1, round(vocab * (1 - 0.5 ** (8 / new_tokens))))
+    return tuple(range(1, k + 1))
+
+
+def bench_slots(name, shape, new_tokens, variants, rounds, block=1, warm=0, kernels="auto"):
+    """variants: (workload "skewed" | "uniform", shared prefill, decode_slots) triples; the one
+    with (workload, False, None) is today's default program, the reference of its workload.
+    -> {variant: row of the table}; prints the table."""
+    model = uniform_draw_model(dataclasses.replace(shape, kernels=kernels))
+    stops = skewed_stops(shape.vocab_size, new_tokens)
+    rng = np.random.RandomState(0)
+    prompts = [
+        rng.randint(len(stops) + 1, shape.vocab_size, SLOT_PROMPT_LEN).tolist()
+        for _ in range(SLOT_PROMPTS)
+    ]
+    rows = [p for p in prompts for _ in range(SLOT_GROUP)]
+    key = jax.random.key(0)
+
+    def call(workload, shared, slots):
+        params = SamplingParams(
+            max_new_tokens=new_tokens,
+            temperature=1.0,
+            stop_token_ids=stops if workload == "skewed" else (),
+            ignore_eos=True,
+            pad_id=0,
+            prompt_bucket=SLOT_PROMPT_LEN,
+            decode_slots=slots,
+        )
+        group = SLOT_GROUP if shared else 1
+        return lambda: generate(model, rows, params, key, group_size=group)
+
+    timings = timed_round_robin({v: call(*v) for v in variants}, rounds, block, warm)
+    out = {}
+    for (workload, shared, slots), (first, median, gen) in timings.items():
+        today = timings.get((workload, False, None))
+        tokens = int(gen.lengths.sum())
+        out[(workload, shared, slots)] = dict(
+            tokens_per_s=tokens / median,
+            median_s=median,
+            tokens=tokens,
+            decode_steps=gen.num_decode_steps,
+            vs_today=None if today is None else today[1] / median,
+            compile_s=first - median,
+            same_tokens=None
+            if today is None
+            else bool(np.array_equal(gen.tokens, today[2].tokens)),
+            median_length=float(np.median(gen.lengths)),
+            max_length=int(gen.lengths.max()),
+        )
+    print(
+        f"\n== decode slots, {name} (d {shape.hidden_size}, {shape.num_layers} layers, vocab "
+        f"{shape.vocab_size}): {SLOT_PROMPTS} prompts x {SLOT_GROUP} rows, {SLOT_PROMPT_LEN}-token "
+        f"prompts, cap {new_tokens}, T=1; jax {jax.default_backend()} (kernels "
+        f"{resolve_kernels(kernels)}); medians"
+    )
+    print(
+        f"{'workload':10s}{'shared':>8s}{'slots':>7s}{'tok/s':>10s}{'s':>9s}{'steps':>7s}"
+        f"{'vs today':>10s}{'compile s':>11s}{'same tokens':>13s}{'median/max len':>16s}"
+    )
+    for (workload, shared, slots), r in out.items():
+        ratio = "-" if r["vs_today"] is None else f"{r['vs_today']:.2f}x"
+        same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "NO")
+        print(
+            f"{workload:10s}{'yes' if shared else 'no':>8s}{str(slots or 'all'):>7s}"
+            f"{r['tokens_per_s']:10.0f}{r['median_s']:9.3f}{r['decode_steps']:7d}{ratio:>10s}"
+            f"{r['compile_s']:11.1f}{same:>13s}"
+            f"{r['median_length']:>9.0f} / {r['max_length']:<4d}"
+        )
+    return out
+
+
+SLOT_COUNTS = {"tiny": (None, 64, 32, 16), "smollm2": (None, 32)}
+"""Slot counts per shape (None = every row: today's program)."""
+
+
+def slot_variants(size: str, quick: bool = False) -> list[tuple[str, bool, int | None]]:
+    """The (workload, shared prefill, slots) of a shape's table: every slot count with and
+    without shared prefill on both workloads (quick: today's and 32 slots, skewed, no sharing)."""
+    if quick:
+        return [("skewed", False, None), ("skewed", False, 32)]
+    return [
+        (workload, shared, slots)
+        for workload in ("skewed", "uniform")
+        for shared in (False, True)
+        for slots in SLOT_COUNTS[size]
+    ]
+
+
+def smollm2_shape() -> TransformerConfig:
+    """SmolLM2-135M's architecture (its config.json; float32)."""
+    return policy_config(ModelConfig(path="smollm2", compute_dtype="float32", remat="none"))
+
+
+def bench_all_slots(quick: bool, with_smollm2: bool, kernels: str = "auto") -> dict:
+    """The decode-slot tables of the tiny shape (cap 256; quick: 32) and SmolLM2-135M's (cap
+    128) -> {shape: {variant: row}}."""
+    results = {}
+    tiny_rounds, tiny_block = (1, 1) if quick else (3, 3)
+    results["tiny"] = bench_slots(
+        "tiny",
+        TINY_SHAPE,
+        32 if quick else 256,
+        slot_variants("tiny", quick),
+        tiny_rounds,
+        tiny_block,
+        1,
+        kernels,
+    )
+    if with_smollm2:
+        results["smollm2"] = bench_slots(
+            "SmolLM2-135M", smollm2_shape(), 128, slot_variants("smollm2"), 2, 1, 0, kernels
+        )
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="config A only, 3 rounds")
@@ -192,8 +352,12 @@ def main(argv=None):
     parser.add_argument(
         "--kernels", choices=KERNEL_CHOICES, default="auto", help="jgrpo.models.kernels path"
     )
+    parser.add_argument("--slots", action="store_true", help="the decode-slot table instead")
     args = parser.parse_args(argv)
     config = args.config or ("A" if args.quick else "all")
+    if args.slots:
+        bench_all_slots(args.quick, config in ("B", "all"), args.kernels)
+        return
     rounds = args.rounds or (3 if args.quick else 7)
     torch.set_num_threads(THREADS)
     kernels = args.kernels
