@@ -302,10 +302,10 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak_name, peak = peak_of(device)
-    small = small_device(device_memory(device))
+    small = small_device(device_memory(device)) and not args.tiny
     shapes = {"tiny": TINY_SHAPE} if args.tiny else SHAPES
     sizes = TINY_SIZES if args.tiny else SIZES
-    recipe = TINY_RECIPE if args.tiny else T4_RECIPE if small else RECIPE
+    recipe = TINY_RECIPE if args.tiny else (T4_RECIPE if small else RECIPE)
     report = {
         "device": getattr(device, "device_kind", str(device)),
         "platform": device.platform,
