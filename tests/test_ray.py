@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import ray
+from conftest import build_reward_model
 from flax import nnx
 
 from jgrpo import sampling, sharding, train
@@ -120,6 +121,36 @@ def test_sync_matches_local_backend(folder, versions, local_results):
             backend.collect(5)
     finally:
         backend.close()
+
+
+def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, versions, tmp_path):
+    """A reward model under rollout.backend=ray: each worker loads it on its own device and
+    scores its own rows. The rows equal the local backend's (which scores on this process's
+    8 devices); the model's term agrees to float32 rounding (another device layout)."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge, weight: 2.0}}]"
+    cfg = make_cfg(folder, terms)
+    engine, graphdef = build_engine(cfg, folder)
+    local = make_backend(cfg, engine, graphdef, folder)
+    workers = RayRollout(ray_cfg(folder, terms), folder)
+    try:
+        results = []
+        for backend in (local, workers):  # one step, split over the two workers
+            backend.publish(versions[1], 1)
+            backend.request(1, examples_for(cfg, 1)[0])
+            results.append(backend.collect(1))
+        want, got = results
+        assert np.std(want.batch["reward_terms"][:, 0]) > 0.05  # the scores differ row to row
+        np.testing.assert_allclose(got.batch["reward_terms"], want.batch["reward_terms"], atol=1e-5)
+        np.testing.assert_allclose(got.batch["rewards"], want.batch["rewards"], atol=2e-5)
+        for key in ROW_KEYS:
+            if key != "rewards":
+                np.testing.assert_array_equal(got.batch[key], want.batch[key], err_msg=key)
+        judge = want.stats["reward/judge/mean"]
+        assert got.stats["reward/judge/mean"] == pytest.approx(judge, abs=1e-5)
+        assert got.stats["perf/reward_model_s"] > 0
+    finally:
+        workers.close()
 
 
 @pytest.mark.heavy  # in make test: test_sampling's shared-prefill tests (the same engine call)

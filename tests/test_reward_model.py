@@ -7,59 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import build_reward_model
 
 from jgrpo import cli, train
 from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
-from jgrpo.models.tiny import save_char_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
-TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
-CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
-}
-
-
-def build_reward_model(out, family="qwen2", *, pad=True, num_labels=1, seed=0, max_pos=256):
-    """A random tiny *ForSequenceClassification folder with the char tokenizer (260 ids) and a
-    chat template; `pad=False`: the tokenizer has no pad token (eos pads)."""
-    config_cls, model_cls = CLASSES[family]
-    cfg = config_cls(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=max_pos,
-        num_labels=num_labels,
-        initializer_range=0.3,  # O(1) scores: a 1e-4 parity check means something
-        rms_norm_eps=1e-6,
-        pad_token_id=0 if pad else None,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases (init: ones and zeros)
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    save_char_tokenizer(out)
-    tok_cfg = json.loads((Path(out) / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    if not pad:
-        del tok_cfg["pad_token"]
-    (Path(out) / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    return Path(out)
 
 
 def hf_scores(folder, prompts, completions):
@@ -269,11 +227,9 @@ def test_bad_reward_models_exit_2_with_one_line(tmp_path, capsys):
     ok = build_reward_model(tmp_path / "ok", "qwen3", max_pos=64)
     err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}', max_length: 128}}]"])
     assert f"{rf}[0].max_length" in err and "max_position_embeddings 64" in err
-    # neither or both of function / model; a model with the Ray backend
+    # neither or both of function / model
     err = _bad(tmp_path, capsys, [f"{rf}=[{{weight: 1.0}}]"])
     assert "exactly one of function" in err
-    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}'}}]", "rollout.backend=ray"])
-    assert "trainer process" in err
 
 
 def test_python_api_takes_a_model_path_among_reward_funcs(tmp_path):
