@@ -422,3 +422,30 @@ def test_run_survives_sigkilled_workers(tmp_path, local_run, monkeypatch):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=2")
     assert_same_metrics(rows, local_run, split=True)  # every step trained once, none lost
     assert rows[-1]["rollout/worker_failures"] == 2.0
+
+
+@pytest.mark.heavy  # make test: test_workers_score_with_the_reward_model_as_the_local_backend_does
+def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
+    """Sync Ray with the reward model on the workers gives the local run's numbers (the model's
+    scores to float32 rounding: another device layout); async Ray trains with it too."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge}}]"
+    want = run_tiny(tmp_path / "local", terms)
+    ray_args = ["rollout.backend=ray", "rollout.num_workers=2"]
+    got = run_tiny(tmp_path / "sync", terms, *ray_args)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if not is_timing(key) and isinstance(value, float):
+                assert g[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (w["step"], key)
+    assert all(r["train/grad_norm"] > 1e-4 for r in want[1:])  # the rewards differ in groups
+    rows = run_tiny(
+        tmp_path / "async",
+        terms,
+        *ray_args,
+        "rollout.max_staleness=1",
+        "loss.use_importance_sampling_correction=true",
+    )
+    for r in rows[1:]:
+        assert np.isfinite(r["loss"]) and np.isfinite(r["reward/judge/mean"])
+        assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0

@@ -165,18 +165,42 @@ def test_training_with_a_reward_model_and_a_function(tmp_path, monkeypatch):
     assert strip(read_metrics(part)) == strip(rows)
 
 
-@pytest.mark.heavy  # in make test: scores on a 2x2x2 mesh equal one device
-def test_training_on_a_2x2x2_mesh_matches_data_parallel(tmp_path, monkeypatch):
+@pytest.mark.heavy  # in make test: test_scores_on_a_2x2x2_mesh_equal_one_device
+def test_training_on_a_2x2x2_mesh_matches_one_device(tmp_path, monkeypatch):
+    """Two steps with a reward model and a function reward: on one device (a `jgrpo train`
+    subprocess that sees one CPU device) and on a 2x2x2 mesh (this process's 8)."""
+    import os
+    import subprocess
+    import sys
+
     folder = build_reward_model(tmp_path / "rm", "qwen2")
-    overrides = [*_run_overrides(folder, tmp_path, monkeypatch), "grpo.max_num_steps=1"]
-    train.run(load_config(TINY, [*overrides, "mesh.data=8"]), tmp_path / "dp")
+    overrides = _run_overrides(folder, tmp_path, monkeypatch)
+    root = Path(TINY).parents[1]
+    env = os.environ | {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)]),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+    }
+    one = subprocess.Popen(
+        [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir"]
+        + [str(tmp_path / "one"), *overrides, "mesh.data=1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     train.run(load_config(TINY, [*overrides, *mesh]), tmp_path / "mesh")
-    (dp,), (m,) = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "mesh")
-    assert m["reward/judge/mean"] == pytest.approx(dp["reward/judge/mean"], abs=1e-5)
-    assert m["reward/mean"] == pytest.approx(dp["reward/mean"], abs=1e-5)
-    assert m["loss"] == pytest.approx(dp["loss"], rel=1e-4, abs=1e-6)
-    assert m["train/grad_norm"] == pytest.approx(dp["train/grad_norm"], rel=1e-4)
+    out, _ = one.communicate(timeout=900)
+    assert one.returncode == 0, out[-3000:]
+    rows, want = read_metrics(tmp_path / "mesh"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2]
+    for m, w in zip(rows, want):
+        assert abs(w["loss"]) > 1e-3 and w["train/grad_norm"] > 1e-3  # not trivially equal
+        for key in ("reward/judge/mean", "reward/short/mean", "reward/mean", "advantage/std"):
+            assert m[key] == pytest.approx(w[key], abs=1e-5), key
+        assert m["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-6)
+        assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4)
 
 
 def test_inspect_step_counts_the_reward_model(tmp_path):
@@ -184,12 +208,17 @@ def test_inspect_step_counts_the_reward_model(tmp_path):
 
     folder = build_reward_model(tmp_path / "rm", "qwen3")
     base = load_config(TINY, [])
-    cfg = load_config(TINY, [f"data.reward_functions=[{{model: '{folder}'}}]"])
+    cfg_overrides = [f"data.reward_functions=[{{model: '{folder}'}}]"]
+    cfg = load_config(TINY, cfg_overrides)
     got = inspect_step(cfg, compile=False)["reward_model_bytes_per_device"]
     assert inspect_step(base, compile=False)["reward_model_bytes_per_device"] == 0
     # tied decoder (no LM head) + score [d], float32, replicated over the data axis
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder))
     assert got == 4 * sum(p.numel() for p in hf.parameters())
+    # rollout.backend=ray: the whole model on each worker's device, none on the trainer's
+    ray = inspect_step(load_config(TINY, [*cfg_overrides, "rollout.backend=ray"]), compile=False)
+    assert ray["reward_model_bytes_per_device"] == 0
+    assert ray["reward_model_bytes_per_worker"] == got
 
 
 def _bad(tmp_path, capsys, overrides):
