@@ -124,6 +124,48 @@ def test_scores_on_a_2x2x2_mesh_equal_one_device(tmp_path):
     )
 
 
+def test_the_forwards_run_while_the_verifier_and_functions_do(tmp_path, monkeypatch):
+    """Task.score starts the reward models' forwards first, runs the reward functions (the
+    child process) meanwhile and collects the scores last: device and host work overlap."""
+    import time
+
+    from jgrpo.tasks import make_task
+
+    stamp = tmp_path / "called"
+    (tmp_path / "stamp_reward.py").write_text(
+        "import time\n"
+        "def stamp(prompts, completions, **columns):\n"
+        f"    open({str(stamp)!r}, 'w').write(repr(time.time()))\n"
+        "    return [0.5] * len(prompts)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    events = {}
+
+    class Pending:
+        def result(self):
+            events["result"] = time.time()
+            return np.arange(4.0)
+
+    class Model:
+        def dispatch(self, prompts, completions):
+            events["dispatch"] = time.time()
+            return Pending()
+
+    terms = f"data.reward_functions=[{{function: 'stamp_reward:stamp'}}, {{model: '{tmp_path}'}}]"
+    data = load_config(TINY, [terms]).data
+    task = make_task(data, 0, load_data=False)
+    task.attach_reward_models({1: Model()})
+    examples = make_task(load_config(TINY, []).data, 0).val[:4]
+    try:
+        rewards, info = task.score(["1+1="] * 4, ["2", "3", "x", ""], examples)
+    finally:
+        task.close()
+    assert events["dispatch"] < float(stamp.read_text()) < events["result"]
+    np.testing.assert_array_equal(info["reward_terms"][:, 1], np.arange(4.0))
+    want = info["correct"] + 0.5 + np.arange(4.0)  # verifier + function + model, weights 1
+    np.testing.assert_allclose(rewards, want)
+
+
 def _run_overrides(rm_folder, tmp_path, monkeypatch):
     (tmp_path / "brevity_reward.py").write_text(
         "def short(prompts, completions, **columns):\n"

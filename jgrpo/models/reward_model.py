@@ -11,10 +11,8 @@ Owns `RewardModel` (load, the text it reads, the batched forward) and `load_rewa
 - batches: texts sorted by length, padded to a length bucket (16 x 2^k, capped at max_length)
   and a row count (batch shards x 2^k) with rows x length <= batch_tokens: few shapes, few
   compiles; a text's score does not depend on its batch (its own row, padding masked).
-- placement: frozen parameters in `dtype`, sharded by `jgrpo.sharding`'s rules over the given
-  mesh (rows over data x fsdp), one jitted forward. `dispatch` starts every batch and returns
-  at once (JAX's asynchronous dispatch), so the caller's other reward work overlaps it.
-"""
+- placement: frozen, in `dtype`, sharded by `jgrpo.sharding`'s rules over the given mesh (rows
+  over data x fsdp); `dispatch` starts every batch's jitted forward and returns at once."""
 
 from __future__ import annotations
 
