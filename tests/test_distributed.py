@@ -235,7 +235,13 @@ def _launch(
 
 
 def _wait(procs, timeout=600) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+    """The exit codes; a process still running when waiting fails (a timeout) is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _log(tmp_path, run_dir, i) -> str:
@@ -324,12 +330,7 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     pod = str(tmp_path / "pod")
     ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
     procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait(procs, timeout=900)
     assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
@@ -360,12 +361,7 @@ def test_two_process_pod_with_a_reward_model_matches_one_process(tmp_path, jax_c
     one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
     procs = _launch(tmp_path, one, 1, cache=jax_cache, overrides=overrides)
     procs += _launch(tmp_path, pod, 2, cache=jax_cache, overrides=overrides)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait(procs, timeout=900)
     logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
     assert codes == [0, 0, 0], "\n".join(log[-2000:] for log in logs)
     reference, rows = read_metrics(one), read_metrics(pod)
