@@ -3,7 +3,8 @@
 Trains the tiny config (configs/tiny.yaml: arithmetic, 4 prompts x 4 generations) with the
 task's verifier, a CPU-bound reward function (--fn-ms of work per batch, in the reward child
 process) and, in the "+ RM" variants, a random Qwen2 reward model (--rm-width, --rm-layers;
-built here from jgrpo's tiny model plus a score head, char tokenizer), under three schedules:
+built here from jgrpo's tiny model plus a score head, char tokenizer), under three schedules
+(--policy-width / --policy-layers: a bigger random policy than builtin:tiny-qwen2):
 local (sync, in the trainer), Ray sync (rollout.max_staleness 0) and Ray async (1). Variants
 run one after another (an async worker must not generate while another variant is timed), in
 --rounds rounds of --steps steps; the first step of each round is not timed. Prints medians of
@@ -58,22 +59,27 @@ def busy(prompts, completions, **columns):
 '''
 
 
-def build_reward_model(out: Path, width: int, layers: int) -> Path:
-    """jgrpo's tiny Qwen2 of this size, turned into a one-label sequence classifier."""
-    import safetensors.numpy
-
+def build_policy(out: Path, width: int, layers: int, seed: int = 0) -> Path:
+    """jgrpo's tiny random Qwen2 (char tokenizer) at this width and depth."""
     from jgrpo.models.tiny import build_tiny_model
 
     heads = max(width // 64, 2)
-    build_tiny_model(
+    return build_tiny_model(
         out,
-        seed=1,
+        seed=seed,
         hidden_size=width,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
         intermediate_size=2 * width,
     )
+
+
+def build_reward_model(out: Path, width: int, layers: int) -> Path:
+    """`build_policy`'s model of this size, turned into a one-label sequence classifier."""
+    import safetensors.numpy
+
+    build_policy(out, width, layers, seed=1)
     config = json.loads((out / "config.json").read_text())
     config |= {"architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "score"}}
     (out / "config.json").write_text(json.dumps(config))
@@ -101,6 +107,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--fn-ms", type=float, default=40.0)
     ap.add_argument("--rm-width", type=int, default=256)
     ap.add_argument("--rm-layers", type=int, default=4)
+    ap.add_argument("--policy-width", type=int, default=0, help="0: builtin:tiny-qwen2")
+    ap.add_argument("--policy-layers", type=int, default=4)
     args = ap.parse_args(argv)
     from jgrpo.config import load_config
 
@@ -110,6 +118,11 @@ def main(argv=None) -> dict:
     sys.path.insert(0, str(work))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work), os.getenv("PYTHONPATH")]))
     rm = build_reward_model(work / "rm", args.rm_width, args.rm_layers)
+    policy = []
+    if args.policy_width:  # a bigger random policy: a longer train step
+        policy = [
+            f"model.path={build_policy(work / 'policy', args.policy_width, args.policy_layers)}"
+        ]
     if any(v.startswith("ray") for v in args.variants.split(",")):
         from jgrpo.rollout.ray_backend import init_ray
 
@@ -125,6 +138,7 @@ def main(argv=None) -> dict:
                 f"grpo.max_num_steps={args.rounds * (args.steps + 1) + 4}",
                 f"data.reward_functions=[{', '.join(terms)}]",
                 *SCHEDULES[schedule],
+                *policy,
             ]
             name = f"{schedule}{' + RM' if with_rm else ''}"
             cfg = load_config(str(TREE / "configs" / "tiny.yaml"), overrides)
