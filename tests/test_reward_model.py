@@ -238,7 +238,7 @@ def test_training_on_a_2x2x2_mesh_matches_one_device(tmp_path, monkeypatch):
     rows, want = read_metrics(tmp_path / "mesh"), read_metrics(tmp_path / "one")
     assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2]
     for m, w in zip(rows, want):
-        assert abs(w["loss"]) > 1e-3 and w["train/grad_norm"] > 1e-3  # not trivially equal
+        assert w["train/grad_norm"] > 1e-3  # nonzero advantages: not trivially equal
         for key in ("reward/judge/mean", "reward/short/mean", "reward/mean", "advantage/std"):
             assert m[key] == pytest.approx(w[key], abs=1e-5), key
         assert m["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-6)
