@@ -366,8 +366,7 @@ def test_two_process_pod_with_a_reward_model_matches_one_process(tmp_path, jax_c
     assert codes == [0, 0, 0], "\n".join(log[-2000:] for log in logs)
     reference, rows = read_metrics(one), read_metrics(pod)
     assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
-    assert abs(reference[1]["loss"]) > 1e-3 and abs(reference[2]["loss"]) > 1e-3
     for r, ref in zip(rows, reference):
-        assert ref["train/grad_norm"] > 0.1  # nothing compared is trivially 0
+        assert ref["train/grad_norm"] > 0.1  # nonzero advantages: nothing trivially equal
         for key in (*COMPARED, "reward/judge/mean", "reward/length/mean"):
             assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)
