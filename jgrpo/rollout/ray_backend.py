@@ -105,6 +105,22 @@ def _driver_paths() -> dict[str, str]:
     return {"PYTHONPATH": path} if path else {}
 
 
+_WORKER_OWNED_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count",
+    "--xla_cpu_multi_thread_eigen",
+    "intra_op_parallelism_threads",
+)
+"""XLA flags a worker sets for itself (its device count and threads); the driver's others pass."""
+
+
+def _driver_xla_flags() -> list[str]:
+    """The driver's XLA_FLAGS less the ones a worker sets itself: a worker compiles the sampler as
+    the driver compiles it (optimisation level, precision and debug flags), so the rollouts of
+    Ray workers and of the in-process sampler agree token for token and logprob for logprob."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return [f for f in flags if not f.startswith(_WORKER_OWNED_XLA_FLAGS)]
+
+
 def worker_resources(
     num_workers: int,
     cpus: Optional[float] = None,
@@ -129,9 +145,11 @@ def worker_resources(
             # + num_drivers: the trainer processes
             cpus = float(max(1, int(total_cpus // (num_workers + num_drivers))))
     threads = max(1, int(cpus))
-    flags = "--xla_cpu_multi_thread_eigen=false" if threads == 1 else ""
+    flags = _driver_xla_flags()
+    if threads == 1:
+        flags.append("--xla_cpu_multi_thread_eigen=false")
     env = _driver_paths() | {
-        "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}".strip(),
+        "XLA_FLAGS": " ".join([*flags, f"intra_op_parallelism_threads={threads}"]),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
     }
