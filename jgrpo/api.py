@@ -11,8 +11,9 @@
 
 It runs the CLI's loop (`jgrpo.train.run`) and validates like the CLI: `reward_funcs` (weight 1,
 `(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model)
-join data.reward_functions before `from_dict` and `validate`; Python datasets replace
-data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle."""
+join data.reward_functions, `tools=[fn, ...]` data.tools and `environment=Class`
+data.environment before `from_dict` and `validate`; Python datasets replace data.train_path /
+data.val_path; notebook functions reach the child processes by cloudpickle."""
 
 from __future__ import annotations
 
@@ -90,8 +91,11 @@ def build_config(
     config: Union[str, Path, dict, Config, None],
     overrides: Sequence[str] = (),
     reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
+    tools: Sequence[Union[str, Callable[..., Any]]] = (),
+    environment: Union[str, type, None] = None,
 ) -> Config:
-    """The validated Config of a path / dict / Config plus overrides and reward functions."""
+    """The validated Config of a path / dict / Config plus overrides, reward functions, tools
+    (appended to data.tools) and an environment class (data.environment)."""
     if config is None or isinstance(config, (str, Path)):
         data = _raw(load_config(config, list(overrides)))
     elif isinstance(config, Config):
@@ -103,9 +107,12 @@ def build_config(
             f"config: expected a YAML path, a dict or a jgrpo Config, got {type(config).__name__}"
         )
     extra = _reward_items(reward_funcs)
-    if extra:
+    if extra or tools or environment is not None:
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
+        section["tools"] = list(section.get("tools") or []) + list(tools)
+        if environment is not None:
+            section["environment"] = environment
         data = {**data, "data": section}
     cfg = validate(from_dict(Config, data))
     from jgrpo.tasks.task import check_rewards_given
@@ -126,8 +133,10 @@ class GRPOTrainer:
         reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
         run_dir: Union[str, Path, None] = None,
         overrides: Sequence[str] = (),
+        tools: Sequence[Union[str, Callable[..., Any]]] = (),
+        environment: Union[str, type, None] = None,
     ):
-        self.config = build_config(config, overrides, reward_funcs)
+        self.config = build_config(config, overrides, reward_funcs, tools, environment)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
