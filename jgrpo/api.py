@@ -9,11 +9,10 @@
     )
     result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`) and validates like the CLI: `reward_funcs` (weight 1,
-`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model)
-join data.reward_functions, `tools=[fn, ...]` data.tools and `environment=Class`
-data.environment before `from_dict` and `validate`; Python datasets replace data.train_path /
-data.val_path; notebook functions reach the child processes by cloudpickle."""
+It runs the CLI's loop (`jgrpo.train.run`), validated like the CLI: `reward_funcs` (weight 1,
+`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model),
+`tools=[fn]` and `environment=Class` join data.* before `validate`; Python datasets replace
+data.train_path / data.val_path; notebook functions reach child processes by cloudpickle."""
 
 from __future__ import annotations
 

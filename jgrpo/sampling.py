@@ -1,10 +1,9 @@
 """The sampler: jitted prefill + decode loop over a preallocated KV cache, generation logprobs.
 
-Owns `SamplingParams` (frozen; `from_rollout_config()`), `generate(model | (graphdef, state),
-prompts, params, key, first_row=0, group_size=1, row_ids=None) -> Generation` (numpy out; G:
-groups of G identical prompts, each prefilled once; row_ids: keys of non-consecutive rows), the
-jitted core `generate_padded`, host-side `pad_prompts` / `shared_prompts`, `filter_logits`
-(top-k, top-p) and `compile_count()`.
+Owns `SamplingParams` (`from_rollout_config()`), `generate(model | (graphdef, state), prompts,
+params, key, first_row=0, group_size=1, row_ids=None) -> Generation` (numpy; G: groups of G
+identical prompts, each prefilled once; row_ids: keys of non-consecutive rows), the jitted core
+`generate_padded`, `pad_prompts` / `shared_prompts`, `filter_logits` and `compile_count()`.
 
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
 cache slot P + i and position prompt_len_b + i, the positions the trainer's forward gives it.

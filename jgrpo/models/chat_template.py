@@ -1,4 +1,4 @@
-"""The tool-aware ChatML chat template of `builtin:tiny-qwen2-chat` (a jinja string).
+r"""The tool-aware ChatML chat template of `builtin:tiny-qwen2-chat` (a jinja string).
 
 Qwen2.5's structure, written from its known layout: `<|im_start|>{role}\n{content}<|im_end|>\n`
 per message; an assistant message's `tool_calls` as `\n<tool_call>\n{"name": ..., "arguments":

@@ -5,12 +5,11 @@ generated (its stop token included; loss mask 1). Any other message (tool result
 environment's observation) adds the ids of the chat template's rendering of it as a SUFFIX of
 the conversation (loss mask 0): what the template writes after the assistant's end-of-turn
 token (ChatML's "\\n" after <|im_end|>), the message(s), then the next generation prompt
-(<|im_start|>assistant\\n). Generated text is never decoded and tokenised back (the bug of TRL
-#5224 / #5144). Suffixes are cut from renderings of a fixed stand-in history (user "x",
-assistant "x"), so they do not depend on how the template re-renders earlier turns:
-    suffix = render(history + messages, generation prompt) - render(history) up to end-of-turn
-then tokenised alone, which equals the whole rendering's ids where the tokenizer splits at the
-end-of-turn token (ChatML's special tokens make it so; tested token by token).
+(<|im_start|>assistant\\n). Generated text is never decoded and tokenised back (TRL #5224 /
+#5144). suffix = render(history + messages, generation prompt) - render(history) up to its
+end-of-turn token, with a fixed stand-in history (user "x", assistant "x": independent of how a
+template re-renders earlier turns), tokenised alone: the whole rendering's ids where the
+tokenizer splits at the end-of-turn token (ChatML's special tokens make it so; tested).
 `ChatFormat(tokenizer, stop_ids, tools)`: `prompt_ids`, `reply_ids`, `assistant_ids` (what a model
 emits for a message: SFT targets) and `encode(messages) -> (ids, loss_mask)`, a whole
 conversation laid out as a rollout lays it out (warm-start traces use it).

@@ -75,10 +75,17 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
-PHASE_KEYS = ("perf/sample_s", "perf/detokenize_s", "perf/reward_s", "perf/reward_model_s")
-"""Seconds of a rollout's phases: the sampler (tokens out, on the host), tokenizer decode of
-the completions, and reward scoring (the task's verifier, reward functions and models), of
-which the reward models' forwards (re-tokenising included)."""
+PHASE_KEYS = (
+    "perf/sample_s",
+    "perf/detokenize_s",
+    "perf/tools_s",
+    "perf/reward_s",
+    "perf/reward_model_s",
+)
+"""Seconds of a rollout's phases: the sampler (tokens out, on the host; every turn's), tokenizer
+decode of the completions, tool calls and environment steps with the replies' ids (multi-turn
+only), and reward scoring (the task's verifier, reward functions and models), of which the
+reward models' forwards (re-tokenising included)."""
 
 
 def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, float]:
@@ -206,7 +213,7 @@ class RolloutEngine:
             self._chat = ChatFormat(self.tokenizer, self.stop_ids, tools)
         return self._chat
 
-    def reset_environments(self, examples) -> tuple[list, np.ndarray, np.ndarray]:
+    def reset_environments(self, examples) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
         """A fresh environment per row: (first observations, reset ok bool[B], errors int32[B],
         timeouts int32[B]) of reset(**record) (task.columns)."""
         runner = self.task.tool_runner
@@ -242,15 +249,17 @@ class RolloutEngine:
             params_s = self.greedy_params
         else:
             params_s = self.train_params if training else self.val_params
-        start = time.perf_counter()
         env = self.turn_settings.environment
+        reset_s = time.perf_counter()
         if env:  # one environment per row: its first observation is part of the row's prompt
             observations, env_ok, env_errors, env_timeouts = self.reset_environments(row_examples)
+            reset_s = time.perf_counter() - reset_s
             row_texts, row_ids = self.prompts(row_examples, observations)
         else:
             texts, token_lists = self.prompts(examples)
             row_texts, row_ids = [texts[i] for i in rows], [token_lists[i] for i in rows]
-            env_ok = None
+            env_ok, reset_s = None, 0.0
+        start = time.perf_counter()
         shared = self.cfg.rollout.shared_prefill and not env  # observations may differ by row
         conv = turns.run_turns(
             (graphdef, params),
@@ -265,9 +274,8 @@ class RolloutEngine:
             runner=self.task.tool_runner,
             environment_ok=env_ok,
         )
-        sampled = time.perf_counter()
+        looped = time.perf_counter()
         completions = conv.texts
-        row_examples = [examples[i] for i in rows]
         # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
         completion_ids = [conv.tokens[b, : conv.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
@@ -301,12 +309,14 @@ class RolloutEngine:
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
             "reward/num_none": float(info["num_reward_none"]),
-            "perf/sample_s": sampled - start,
-            "perf/detokenize_s": decoded - sampled,
+            "perf/sample_s": looped - start - conv.decode_s - conv.tools_s,
+            "perf/detokenize_s": decoded - looped + conv.decode_s,
             "perf/reward_s": scored - decoded,
             "perf/reward_model_s": float(info.get("reward_model_s", 0.0)),
         }
-        if self.multi_turn:  # the whole conversation after the prompt, special tokens shown
+        if self.multi_turn:
+            counts["perf/tools_s"] = reset_s + conv.tools_s
+            # the whole conversation after the prompt, special tokens shown
             completions = [self.tokenizer.decode(ids) for ids in completion_ids]
         samples = [
             {

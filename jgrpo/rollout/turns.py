@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Optional
 
 import jax
@@ -91,6 +92,10 @@ class Conversations:
     """ROW_COUNTS -> int32 [B]."""
     environment_rewards: np.ndarray
     """[B] float32 sum of the environment's step rewards, NaN when it gave none."""
+    decode_s: float = 0.0
+    """Seconds spent decoding turns (for the tool-call parser and the environment)."""
+    tools_s: float = 0.0
+    """Seconds spent in tool calls, environment steps and the replies' ids."""
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -130,6 +135,7 @@ def run_turns(
     texts = [""] * b_total
     messages: list[list[dict]] = [[] for _ in range(b_total)]
     first_gen = None
+    seconds = {"decode": 0.0, "tools": 0.0}
     for turn in range(1, settings.max_turns + 1):
         running = np.flatnonzero(alive)
         if running.size == 0:
@@ -146,7 +152,9 @@ def run_turns(
             lps[b] += gen.logprobs[i, :keep].tolist()
             gen_bits[b] += [True] * keep
             counts["turns"][b] += 1
+            start = time.perf_counter()
             text = tokenizer.decode(gen.tokens[i, :keep], skip_special_tokens=True)
+            seconds["decode"] += time.perf_counter() - start
             parsed = (
                 parse_tool_calls(text, settings.tool_call_format)
                 if settings.tools
@@ -173,6 +181,7 @@ def run_turns(
                 ops.append(("step", int(b), text, None))
             else:
                 alive[b] = False
+        start = time.perf_counter()
         results = runner.run([op[:3] for op in ops]) if ops else []
         for (kind, b, _, slot), (status, value) in zip(ops, results):
             if kind == "call":
@@ -205,7 +214,9 @@ def run_turns(
             gen_bits[b] += [False] * len(ids)
             counts["reply_tokens"][b] += len(ids)
             messages[b] += reply
-    return _pack(first_gen, region, lps, gen_bits, truncated, texts, messages, counts, env_reward)
+        seconds["tools"] += time.perf_counter() - start
+    conv = _pack(first_gen, region, lps, gen_bits, truncated, texts, messages, counts, env_reward)
+    return dataclasses.replace(conv, decode_s=seconds["decode"], tools_s=seconds["tools"])
 
 
 def _cut(message: dict, tokenizer, settings: TurnSettings, counts: dict, b: int) -> dict:
