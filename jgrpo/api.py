@@ -28,7 +28,7 @@ from jgrpo.config import (
     RewardFunctionConfig,
     apply_overrides,
     from_dict,
-    load_config,
+    read_config,
     validate,
 )
 
@@ -96,7 +96,7 @@ def build_config(
     """The validated Config of a path / dict / Config plus overrides, reward functions, tools
     (appended to data.tools) and an environment class (data.environment)."""
     if config is None or isinstance(config, (str, Path)):
-        data = _raw(load_config(config, list(overrides)))
+        data = read_config(config, list(overrides))  # validated below, with the functions
     elif isinstance(config, Config):
         data = apply_overrides(_raw(config), list(overrides)) if overrides else _raw(config)
     elif isinstance(config, dict):

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import importable_modules
 from transformers import AutoTokenizer
 
 from jgrpo.config import ConfigError, DataConfig
@@ -189,14 +190,14 @@ def test_calculator_task(chat_tok):
     example = {"task": "calculator", "question": "347*29", "answer": "10063", "id": "x"}
     prompt = task.format_prompt(example, chat_tok, tools=[CALC_SCHEMA])
     assert prompt.endswith("<|im_start|>user\nWhat is 347*29?<|im_end|>\n<|im_start|>assistant\n")
-    conversation = [
-        {"role": "user", "content": "What is 347*29?"},
-        *task.kind.reference_messages(example),
-    ]
+    conversation = task.prompt_messages(example) + task.kind.reference_messages(example)
     ids, mask = ChatFormat(chat_tok, [chat_tok.eos_token_id], [CALC_SCHEMA]).encode(conversation)
     assert chat_tok.decode(ids).endswith(
         "</tool_response><|im_end|>\n<|im_start|>assistant\n10063<|im_end|>"
     )
+    # a warm-start trace starts with exactly the ids of the rollout's prompt
+    prompt_ids = chat_tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[: len(prompt_ids)] == prompt_ids and not any(mask[: len(prompt_ids)])
     assert task.verify("10063", example) and not task.verify("10062", example)
     rewards, info = task.score(["p"] * 2, ["10063", ""], [example] * 2)
     assert rewards.tolist() == [1.0, 0.0] and info["accuracy"] == 0.5
@@ -274,13 +275,10 @@ TOOLS_MODULE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def tools_module(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools")
-    (folder / "jgrpo_test_tools.py").write_text(TOOLS_MODULE)
-    (folder / "jgrpo_test_no_docs.py").write_text("def f(x: int) -> int:\n    return x\n")
-    mp = pytest.MonkeyPatch()
-    mp.syspath_prepend(str(folder))
-    yield "jgrpo_test_tools"
-    mp.undo()
+    no_docs = "def f(x: int) -> int:\n    return x\n"
+    sources = {"jgrpo_test_tools": TOOLS_MODULE, "jgrpo_test_no_docs": no_docs}
+    for _ in importable_modules(tmp_path_factory, sources):
+        yield "jgrpo_test_tools"
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +397,7 @@ def test_multi_turn_config_rules_and_the_python_api():
         def step(self, text):
             return None, 1.0, True
 
-    cfg = build_config(None, ["data.task=prompts", "rollout.max_turns=2"], tools=[calculator])
+    cfg = build_config(None, ["rollout.max_turns=2"], tools=[calculator])  # arithmetic + a tool
     assert cfg.data.tools == (calculator,) and cfg.data.environment is None
     cfg = build_config(None, ["data.task=prompts"], environment=Game)  # no reward function needed
     assert cfg.data.environment is Game

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from conftest import importable_modules
 from flax import nnx
 from transformers import AutoTokenizer
 
@@ -43,12 +44,8 @@ ENV_MODULE = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def env_module(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("envs")
-    (folder / "jgrpo_test_envs.py").write_text(ENV_MODULE)
-    mp = pytest.MonkeyPatch()
-    mp.syspath_prepend(str(folder))
-    yield "jgrpo_test_envs"
-    mp.undo()
+    for _ in importable_modules(tmp_path_factory, {"jgrpo_test_envs": ENV_MODULE}):
+        yield "jgrpo_test_envs"
 
 
 # ----------------------------------------------------------------------------- scripted sampler
@@ -581,3 +578,26 @@ def test_lora_trains_on_conversations(tmp_path, focused, env_module):
     for r in rows:
         assert r["turns/mean"] > 1 and round(r["logprob/token_mult_prob_error"], 4) == 1.0
         assert np.isfinite(r["loss"]) and r["train/grad_norm"] > 0
+
+
+@pytest.mark.heavy  # make test: test_tool_calls_run_and_their_replies_join_the_row (global rows)
+def test_two_process_pod_runs_the_same_conversations(tmp_path, focused):
+    """Each host of a 2-process pod runs its rows' conversations; the pod's metrics are the
+    one-process run's (up to the float rounding of another number of rows per host)."""
+    from test_distributed import REWARD, _launch, _log, _wait
+
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    (tmp_path / "jgrpo_test_envs.py").write_text(ENV_MODULE)
+    env = ["data.environment=jgrpo_test_envs:Echo", "data.tool_processes=1"]
+    extra = [f"model.path={focused}", *env, *RUN[:-3]]  # the pod's own checkpoint/log settings
+    runs = {n: str(tmp_path / f"run{n}") for n in (1, 2)}
+    procs = {n: _launch(tmp_path, runs[n], n, *extra) for n in (1, 2)}
+    for n, p in procs.items():
+        assert _wait(p) == [0] * n, _log(tmp_path, runs[n], 0)[-3000:]
+    one, pod = read_metrics(runs[1]), read_metrics(runs[2])
+    assert [r["step"] for r in pod] == [r["step"] for r in one] == [1, 2, 3]
+    keys = ("loss", "reward/mean", "turns/mean", "tools/calls", "tokens/tool_fraction")
+    for a, b in zip(pod, one):
+        assert b["turns/mean"] > 1
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (b["step"], key)

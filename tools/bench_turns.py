@@ -141,7 +141,7 @@ def reprefill_conversation(model, prompts, replies, turns, new):
     rows = [list(map(int, row)) for row in prompts]
     times = []
     key = jax.random.key(0)
-    for t in range(turns):
+    for _ in range(turns):
         start = time.perf_counter()
         gen = generate(model, rows, params, key)
         times.append(time.perf_counter() - start)

@@ -159,10 +159,13 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.task = task
         if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
-            key = "data.prompt_key" if cfg.data.task == "prompts" else "data.task"
+            what = (
+                "data.prompt_key: the dataset has chat-message prompts"
+                if cfg.data.task == "prompts"
+                else f"data.task: the {cfg.data.task} task's prompts are chat messages"
+            )
             raise ConfigError(
-                f"{key}: the {cfg.data.task} task's prompts are chat messages but the tokenizer "
-                f"of model.path {cfg.model.path!r} has no chat template"
+                f"{what} but the tokenizer of model.path {cfg.model.path!r} has no chat template"
             )
         runner = task.tool_runner
         self.turn_settings = turns.TurnSettings.from_config(

@@ -296,12 +296,8 @@ class Task:
                 f"record {example.get('id')}: the prompt is a list of chat messages (or has tools "
                 "or an observation), but the tokenizer has no chat template"
             )
-        messages = self._messages(example)
-        if observation is not None:
-            messages = [*messages, {"role": "user", "content": observation}]
+        messages = self.prompt_messages(example, observation)
         system = self.cfg.system_prompt
-        if system and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": system}, *messages]
         render = functools.partial(
             tokenizer.apply_chat_template, tools=tools, add_generation_prompt=True, tokenize=False
         )
@@ -312,6 +308,18 @@ class Task:
                 raise
             first = messages[1]
             return render([{**first, "content": f"{system}\n\n{first['content']}"}, *messages[2:]])
+
+    def prompt_messages(self, example: Example, observation: Optional[str] = None) -> list[dict]:
+        """The chat messages of the prompt (data.system_prompt first unless the record has a
+        system message; an environment's first `observation` last): what `format_prompt`
+        renders, and the start of a warm-start conversation (`ChatFormat.encode`)."""
+        messages = self._messages(example)
+        if observation is not None:
+            messages = [*messages, {"role": "user", "content": observation}]
+        system = self.cfg.system_prompt
+        if system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        return messages
 
     def columns(self, example: Example) -> dict:
         """The dataset record of `example` (an environment's reset(**record)): the whole row
