@@ -180,7 +180,6 @@ class RolloutEngine:
             )
         self._chat: ChatFormat | None = None
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-        self.stop_ids = tuple(dict.fromkeys((*stops, *model_cfg.eos_token_ids)))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         self.train_params = sampling.SamplingParams.from_rollout_config(
             cfg.rollout, stop_token_ids=stops, pad_id=pad
@@ -213,7 +212,8 @@ class RolloutEngine:
         """Reply ids under the tokenizer's template (built on first use: needs the schemas)."""
         if self._chat is None:
             tools = self.task.tool_runner.schemas or None
-            self._chat = ChatFormat(self.tokenizer, self.stop_ids, tools)
+            spec = sampling.make_decode_spec(self.model_cfg, self.train_params)
+            self._chat = ChatFormat(self.tokenizer, spec.stop_token_ids, tools)
         return self._chat
 
     def reset_environments(self, examples) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
