@@ -110,19 +110,18 @@ def assistant_spans(text):
     ]
 
 
-@pytest.fixture(scope="module")
-def smollm2_tok():
-    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
-
-
-@pytest.mark.parametrize("case", ["tiny_tools", "smollm2_game"])
-def test_encode_is_the_template_token_by_token_with_the_mask_on_assistant_turns(
-    case, chat_tok, smollm2_tok
-):
+@pytest.mark.parametrize(
+    "case",
+    # heavy: make test runs the same rule on the tiny ChatML tokenizer (loading SmolLM2's 49k
+    # BPE vocabulary costs seconds)
+    ["tiny_tools", pytest.param("smollm2_game", marks=pytest.mark.heavy)],
+)
+def test_encode_is_the_template_token_by_token_with_the_mask_on_assistant_turns(case, chat_tok):
     if case == "tiny_tools":
         tok, conversation, tools = chat_tok, TOOL_CONVERSATION, [CALC_SCHEMA]
     else:  # a BPE tokenizer: boundary-stable at ChatML's special tokens
-        tok, conversation, tools = smollm2_tok, GAME_CONVERSATION, None
+        tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+        conversation, tools = GAME_CONVERSATION, None
     ids, mask = ChatFormat(tok, [tok.eos_token_id], tools).encode(conversation)
     text = tok.apply_chat_template(conversation, tools=tools, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -362,10 +361,8 @@ def test_tool_start_up_errors_name_the_key(tools_module):
             r.start()
         return str(e.value)
 
+    # (a module that fails to import is the reward functions' start-up check: test_tasks)
     assert error(["jgrpo_test_no_docs:f"]).startswith("data.tools[0]: 'f' needs type hints")
-    assert error([f"{tools_module}:add", "nope_module:f"]).startswith(
-        "data.tools[1]: cannot import 'nope_module:f'"
-    )
     assert error([], f"{tools_module}:add").startswith("data.environment: ")
 
 

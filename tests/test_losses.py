@@ -347,14 +347,19 @@ def with_reply_holes(batch):
     return dict(batch, token_mask=tm)
 
 
-@pytest.mark.parametrize("name", PARITY_CFGS)
+HOLES_CFGS = {  # token mean, GSPO's per-row length and weights, Dr. GRPO, token IS, the KL
+    **{k: PARITY_CFGS[k] for k in ("gspo_tis", "seq_sum_norm", "icepop")},
+    "kl": LossConfig(reference_policy_kl_penalty=0.3),
+}
+
+
+@pytest.mark.parametrize("name", HOLES_CFGS)
 def test_policy_loss_with_reply_holes_matches_numpy(name):
     """Every normaliser (token counts, GSPO's per-row length, Dr. GRPO's constant), the IS
     weights and the KL read the token mask, so holes in it (multi-turn replies) are excluded
     like padding: the float64 reference over the same mask agrees."""
-    for seed in range(2):
-        lp, batch = make_batch(seed, t=12, spread=0.6)
-        assert_matches_reference(lp, with_reply_holes(batch), PARITY_CFGS[name])
+    lp, batch = make_batch(1, t=12, spread=0.6)
+    assert_matches_reference(lp, with_reply_holes(batch), HOLES_CFGS[name])
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
