@@ -117,6 +117,61 @@ def importable_modules(tmp_path_factory, sources: dict):
     mp.undo()
 
 
+REWARD_MODEL_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
+)
+"""The chat template of `build_reward_model`'s tokenizer."""
+
+
+def build_reward_model(out, family="qwen2", *, pad=True, num_labels=1, seed=0, max_pos=256):
+    """A random tiny transformers *ForSequenceClassification folder (llama, qwen2 or qwen3)
+    with the char tokenizer (260 ids) and a chat template; `pad=False`: the tokenizer has no
+    pad token (eos pads)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
+    }[family]
+    cfg = config_cls(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_pos,
+        num_labels=num_labels,
+        initializer_range=0.3,  # O(1) scores: a 1e-4 parity check means something
+        rms_norm_eps=1e-6,
+        pad_token_id=0 if pad else None,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases (init: ones and zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    save_char_tokenizer(out)
+    tok_cfg = json.loads((Path(out) / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = REWARD_MODEL_TEMPLATE
+    if not pad:
+        del tok_cfg["pad_token"]
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return Path(out)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole session (starting one takes ~12 s): its GCS address,
