@@ -248,8 +248,9 @@ def read_json(path: str | Path, key: str, kind: type | None = dict) -> Any:
     return data
 
 
-def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:
-    """Read YAML `path` (None = defaults), apply dotted overrides, build and validate."""
+def read_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> dict:
+    """The plain dict of YAML `path` (None = defaults) with dotted overrides applied; not yet
+    typed or validated (the Python API adds functions and classes first)."""
     data: dict = {}
     if path is not None:
         data = read_yaml(path)
@@ -257,8 +258,12 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
-    data = apply_overrides(data, list(overrides))
-    cfg = from_dict(Config, data)
+    return apply_overrides(data, list(overrides))
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:
+    """Read YAML `path` (None = defaults), apply dotted overrides, build and validate."""
+    cfg = from_dict(Config, read_config(path, overrides))
     validate(cfg)
     return cfg
 

@@ -52,6 +52,8 @@ AT_LEAST_ONE = (
     "data.num_val_examples",
     "data.num_terms",
     "data.countdown_num_numbers",
+    "data.tool_processes",
+    "rollout.max_turns",
     "model.logprob_chunk_size",
 )
 """Integer keys that must be >= 1."""
@@ -62,6 +64,7 @@ AT_LEAST_ZERO = (
     "rollout.max_worker_failures",
     "optim.warmup_steps",
     "data.max_operand",
+    "data.min_operand",
 )
 """Integer keys that must be >= 0 (0 = off for the periods)."""
 AT_MOST = (
@@ -76,6 +79,8 @@ AT_MOST = (
     ("grpo.num_generations_per_prompt", MAX_BATCH_ROWS),
     ("grpo.val_pass_k", 1024),
     ("rollout.num_workers", 4096),
+    ("rollout.max_turns", 1024),
+    ("data.tool_processes", 256),
 )
 """Upper bounds: values past these are typos that would exhaust memory or time, not runs."""
 
@@ -105,6 +110,7 @@ def validate(cfg: Config) -> Config:
     check_mesh(cfg.mesh)
     check_dapo(cfg)
     check_evaluation(cfg)
+    check_turns(cfg)
     return cfg
 
 
@@ -146,6 +152,11 @@ def check_data(data: DataConfig) -> None:
         f"data.operators: {data.operators!r} must be a non-empty subset of '+-*'",
     )
     _require(data.reward_timeout_s > 0, "data.reward_timeout_s: must be > 0")
+    _require(data.tool_timeout_s > 0, "data.tool_timeout_s: must be > 0")
+    _require(
+        data.min_operand <= data.max_operand,
+        f"data.min_operand: {data.min_operand} must be <= data.max_operand {data.max_operand}",
+    )
     _require(data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
     labels: set[str] = set()
     for i, rf in enumerate(data.reward_functions):
@@ -457,3 +468,33 @@ def check_evaluation(cfg: Config) -> None:
             and names.count(name) == 1,
             f"data.val_sets: name {name!r} must be unique, not 'val', letters/digits/_/- only",
         )
+
+
+def check_turns(cfg: Config) -> None:
+    """Multi-turn rollouts (docs/multi-turn.md): what continues a turn, the reply cap, the
+    tool and environment names."""
+    data, ro = cfg.data, cfg.rollout
+    for i, tool in enumerate(data.tools):
+        if isinstance(tool, str):
+            _require(
+                ":" in tool and all(tool.split(":", 1)),
+                f"data.tools[{i}]: {tool!r} must look like module:function",
+            )
+    if isinstance(data.environment, str):
+        _require(
+            ":" in data.environment and all(data.environment.split(":", 1)),
+            f"data.environment: {data.environment!r} must look like module:Class",
+        )
+    _require(
+        ro.max_turns == 1
+        or data.tools
+        or data.environment is not None
+        or data.task == "calculator",
+        f"rollout.max_turns: {ro.max_turns} turns need something to answer a turn: data.tools, "
+        "data.environment or a task with tools (calculator)",
+    )
+    limit = ro.max_tool_response_tokens
+    _require(
+        limit is None or limit >= 1,
+        f"rollout.max_tool_response_tokens: must be >= 1 (or null), got {limit}",
+    )

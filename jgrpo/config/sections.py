@@ -51,7 +51,7 @@ class ModelConfig:
     """The policy model (and its reference copy)."""
 
     path: str = "builtin:tiny-qwen2"
-    """HF folder, `smollm2` (converted SmolLM2-135M-Instruct) or `builtin:tiny-qwen2`."""
+    """HF folder, hub id, `smollm2` (SmolLM2-135M-Instruct), `builtin:tiny-qwen2` (or `-chat`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -115,7 +115,7 @@ class RewardFunctionConfig:
 class DataConfig:
     """The task: where prompts come from and how completions are scored."""
 
-    task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
+    task: Literal["arithmetic", "calculator", "countdown", "gsm8k", "prompts"] = "arithmetic"
     """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
     train_path: Optional[str] = None
     """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
@@ -134,7 +134,9 @@ class DataConfig:
     num_terms: int = 2
     """Arithmetic: operands per expression."""
     max_operand: int = 99
-    """Arithmetic: operands are drawn from [0, max_operand]."""
+    """Arithmetic, calculator: operands are drawn from [min_operand, max_operand]."""
+    min_operand: int = 0
+    """Arithmetic, calculator: the smallest operand."""
     operators: str = "+-"
     """Arithmetic: characters drawn as operators, a subset of `+-*`."""
     countdown_num_numbers: int = 3
@@ -155,6 +157,14 @@ class DataConfig:
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
     val_sets: tuple[tuple[str, str], ...] = ()
     """More named held-out sets {name: path} (same formats and task), logged as val/<name>/."""
+    tools: tuple[Union[str, Callable[..., Any]], ...] = ()
+    """Tools the model may call: `module:function` (typed, with a docstring; or functions)."""
+    environment: Union[str, Callable[..., Any], None] = None
+    """`module:Class` with reset(**record) and step(text) (or a class); one per rollout row."""
+    tool_timeout_s: float = 10.0
+    """A tool call or environment step running past this fails (counted; an error message)."""
+    tool_processes: int = 2
+    """Child processes running tool calls and environment steps, rows split between them."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -334,11 +344,17 @@ class RolloutConfig:
     val_temperature: Optional[float] = None
     """Temperature of the n validation samples (None = rollout.temperature)."""
     max_new_tokens: int = 256
-    """Completion length cap; rows hitting it are truncated."""
+    """Completion length cap (multi-turn: every turn and reply together); hitting it truncates."""
     prompt_bucket: int = 32
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
     shared_prefill: bool = False
     """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
+    max_turns: int = 1
+    """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
+    max_tool_response_tokens: Optional[int] = 256
+    """A tool result longer than this many tokens is cut (counted; None = no limit)."""
+    tool_call_format: Literal["hermes"] = "hermes"
+    """How tool calls are written: hermes = <tool_call>{"name", "arguments"}</tool_call>."""
 
 
 @dataclasses.dataclass(**_FROZEN)
