@@ -49,6 +49,7 @@ from jgrpo.config.sections import (
     OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
+    ValSetConfig,
 )
 
 __all__ = [
@@ -75,6 +76,7 @@ __all__ = [
     "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "ValSetConfig",
     "apply_overrides",
     "check_resume_compatible",
     "field_docs",

@@ -146,11 +146,13 @@ class RolloutEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.task = task
-        if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
-            raise ConfigError(
-                f"data.prompt_key: the dataset has chat-message prompts but the tokenizer of "
-                f"model.path {cfg.model.path!r} has no chat template"
-            )
+        tasks = {"data": task, **{f"data.val_sets.{k}": v for k, v in task.val_tasks.items()}}
+        for where, t in tasks.items():
+            if getattr(t, "needs_chat_template", False) and not tokenizer.chat_template:
+                raise ConfigError(
+                    f"{where}.prompt_key: the dataset has chat-message prompts but the tokenizer "
+                    f"of model.path {cfg.model.path!r} has no chat template"
+                )
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         self.train_params = sampling.SamplingParams.from_rollout_config(
@@ -168,9 +170,15 @@ class RolloutEngine:
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompts(self, examples) -> tuple[list[str], list[list[int]]]:
-        texts = [self.task.format_prompt(ex, self.tokenizer) for ex in examples]
+    def prompts(self, examples, task=None) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, token ids) of `examples` in `task`'s format (default: the run's)."""
+        task = task or self.task
+        texts = [task.format_prompt(ex, self.tokenizer) for ex in examples]
         return texts, [list(self._encode(t)) for t in texts]
+
+    def task_of(self, val_set: str | None):
+        """The Task that prompts and scores `val_set` (None: the run's own task)."""
+        return self.task if val_set is None else self.task.val_tasks[val_set]
 
     def rollout(
         self,
@@ -183,14 +191,17 @@ class RolloutEngine:
         greedy=False,
         first_prompt: int = 0,
         training: bool = True,
+        val_set: str | None = None,
     ) -> RolloutResult:
         """Sample `num_generations` completions per example and score them; a `training`
         batch also gets DAPO's overlong shaping and filtering (`dapo.shape_training_batch`).
+        `val_set`: the examples are that data.val_sets entry's, prompted and scored by its task.
 
         `first_prompt`: index of examples[0] in the whole step, when a step is split over
         workers; row draws depend on the global row index only, so the parts concatenated
         (`concat_results`) equal the unsplit batch."""
-        texts, token_lists = self.prompts(examples)
+        task = self.task_of(val_set)
+        texts, token_lists = self.prompts(examples, task)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
         if greedy:
             params_s = self.greedy_params
@@ -214,7 +225,7 @@ class RolloutEngine:
         # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
         completion_ids = [gen.tokens[b, : gen.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
-        rewards, info = self.task.score(
+        rewards, info = task.score(
             [texts[i] for i in rows], completions, row_examples, completion_ids
         )
         scored = time.perf_counter()
@@ -222,13 +233,13 @@ class RolloutEngine:
         batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
-        names = tuple(self.task.reward_names)
+        names = tuple(task.reward_names)
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
-        elif (votes := self.task.votes(completions)) is not None:
+        elif (votes := task.votes(completions)) is not None:
             batch["vote_ids"] = vote_ids(votes)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
@@ -295,19 +306,6 @@ def train_salt(gen_batch: int) -> int:
     """step_key salt of a step's `gen_batch`-th generation batch: 0 for the first (dynamic
     sampling draws more), VALIDATION_SALT + gen_batch after it."""
     return 0 if gen_batch == 0 else VALIDATION_SALT + gen_batch
-
-
-def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
-    """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
-    pass_k samples (rows are example-major) is correct."""
-    metrics = {
-        "val/reward_mean": float(result.batch["rewards"].mean()),
-        "val/length_mean": float(result.batch["lengths"].mean()),
-    }
-    if "correct" in result.batch:  # tasks with a verifier
-        correct = result.batch["correct"].reshape(num_examples, pass_k)
-        metrics["val/accuracy"] = float(correct.any(axis=1).mean())
-    return metrics
 
 
 def step_key(seed: int, step: int, salt: int = 0):
