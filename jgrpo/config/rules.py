@@ -429,11 +429,6 @@ def check_dapo(cfg: Config) -> None:
     )
     if g.use_dynamic_sampling:
         _require(
-            ro.max_staleness == 0,
-            "grpo.use_dynamic_sampling: needs rollout.max_staleness 0 (the extra prompts of a "
-            "step are drawn after it is collected)",
-        )
-        _require(
             g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
             "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
         )
