@@ -290,11 +290,21 @@ def coin(prompts, completions, **columns):
 
 
 @pytest.fixture
-def coin_reward(tmp_path, monkeypatch):
-    """REWARD_MODULE importable as `coin_reward` here and in the reward process (and workers)."""
-    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def install_module(tmp_path, monkeypatch):
+    """install(name, source): a module importable here and in the reward process (and workers)."""
+
+    def install(name, source):
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    return install
+
+
+@pytest.fixture
+def coin_reward(install_module):
+    """REWARD_MODULE importable as `coin_reward`."""
+    install_module("coin_reward", REWARD_MODULE)
 
 
 def test_dynamic_sampling_trains_no_all_equal_group_and_resume_repeats_the_run(
@@ -438,7 +448,7 @@ class RecordRequests:
 @pytest.mark.slow
 @pytest.mark.heavy  # in make test: test_a_resume_draws_each_pending_step_where_the_run_drew_it
 def test_async_dynamic_sampling_on_ray_resumes_with_the_same_prompts(
-    tmp_path, monkeypatch, ray_cluster
+    tmp_path, monkeypatch, install_module, ray_cluster
 ):
     """rollout.max_staleness 1: a run stopped at step 4 (a checkpoint of 3 steps, steps 3 and 4
     requested) and resumed requests every later generation batch with the prompts of the
@@ -447,9 +457,7 @@ def test_async_dynamic_sampling_on_ray_resumes_with_the_same_prompts(
     from jgrpo import train
     from jgrpo.metrics import read_metrics
 
-    (tmp_path / "alternating.py").write_text(ALTERNATING_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    install_module("alternating", ALTERNATING_MODULE)
     overrides = [
         *QUIET,
         "grpo.max_num_steps=6",

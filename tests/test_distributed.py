@@ -237,6 +237,16 @@ def _wait(procs, timeout=600) -> list[int]:
     return [p.wait(timeout=timeout) for p in procs]
 
 
+def _wait_or_kill(procs, timeout) -> list[int]:
+    """Exit codes of `procs`; whichever is still running past the timeout is killed."""
+    try:
+        return _wait(procs, timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def _log(tmp_path, run_dir, i) -> str:
     return (tmp_path / f"{Path(run_dir).name}.{i}.log").read_text()
 
@@ -323,12 +333,7 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     pod = str(tmp_path / "pod")
     ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
     procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait_or_kill(procs, timeout=900)
     assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
@@ -427,12 +432,7 @@ def test_two_process_pod_with_dynamic_sampling_matches_one_process(tmp_path, jax
     one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
     procs = _launch(tmp_path, one, 1, ds, cache=jax_cache)
     procs += _launch(tmp_path, pod, 2, ds, cache=jax_cache)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait_or_kill(procs, timeout=900)
     logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
     assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
     reference, rows = read_metrics(one), read_metrics(pod)
