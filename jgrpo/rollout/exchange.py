@@ -7,9 +7,9 @@ rows padded to a common count, split over the batch axes like a train batch), ta
 rows with one jitted gather whose output is split like a train batch (XLA moves the rows over
 the devices' links: NCCL on GPU, gloo on CPU; the [B, T] arrays never pass through the
 coordinator's key-value store), and returns this host's rows of the result as numpy, with
-their positions in it: `shard_batch` of those rows puts them back where they are. The gather
-holds the whole pool on each device for a moment (XLA gathers before it indexes). One process:
-a numpy take.
+their positions in it: `shard_batch` of those rows puts them back where they are. XLA lowers
+the gather to a masked local take and one all-reduce of the picked batch, so each device holds
+the step's whole [B, T] batch for a moment (not the pool). One process: a numpy take.
 """
 
 from __future__ import annotations
