@@ -168,7 +168,7 @@ def check_reward_names(terms, key: str) -> None:
 
 def check_reward_models(cfg: Config) -> None:
     """data.reward_functions: each term is a function or a model; a model's own fields are in
-    range, and reward models run in the trainer process (the local rollout backend)."""
+    range."""
     for i, rf in enumerate(cfg.data.reward_functions):
         key = f"data.reward_functions[{i}]"
         _require(
@@ -186,11 +186,6 @@ def check_reward_models(cfg: Config) -> None:
                 f"{key}.max_length: {rf.max_length} exceeds batch_tokens {rf.batch_tokens} "
                 "(one text must fit one forward)",
             )
-        _require(
-            cfg.rollout.backend == "local",
-            f"{key}.model: reward models run in the trainer process; rollout.backend must be "
-            f"local, got {cfg.rollout.backend!r}",
-        )
 
 
 def check_logging(logging: LoggingConfig) -> None:
@@ -461,8 +456,8 @@ def check_evaluation(cfg: Config) -> None:
 
 def check_val_set(vs: ValSetConfig, data: DataConfig) -> None:
     """One data.val_sets entry: a path, its example count, its own reward terms (functions:
-    reward models score with the trainer's loaded copies, so only data.reward_functions' are
-    inherited), a reward for a task without a verifier."""
+    reward models are loaded for data.reward_functions only, so a set gets them by inheriting
+    those), a reward for a task without a verifier."""
     key = f"data.val_sets.{vs.name}"
     _require(vs.path.strip() != "", f"{key}.path: must name a file, folder or dataset id")
     if vs.num_examples is not None:
