@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
+from conftest import xla_flags
 from flax import nnx
 
 from jgrpo import distributed
@@ -209,10 +211,12 @@ def jax_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-def _launch(tmp_path, run_dir, num_processes, *extra, cache=None) -> list[subprocess.Popen]:
+def _launch(
+    tmp_path, run_dir, num_processes, *extra, cache=None, overrides=OVERRIDES
+) -> list[subprocess.Popen]:
     """`jgrpo train` on `num_processes` processes x (8 / num_processes) fake CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    env["XLA_FLAGS"] = xla_flags(8 // num_processes)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache or tmp_path / "jax_cache")
@@ -227,13 +231,19 @@ def _launch(tmp_path, run_dir, num_processes, *extra, cache=None) -> list[subpro
     for i in range(num_processes):
         ident = ["--process-id", str(i)] if num_processes > 1 else []
         log = open(tmp_path / f"{Path(run_dir).name}.{i}.log", "w")
-        cmd = [*base, *pod, *ident, *extra, *OVERRIDES]
+        cmd = [*base, *pod, *ident, *extra, *overrides]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
 def _wait(procs, timeout=600) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+    """The exit codes; a process still running when waiting fails (a timeout) is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _log(tmp_path, run_dir, i) -> str:
@@ -322,12 +332,7 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     pod = str(tmp_path / "pod")
     ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
     procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait(procs, timeout=900)
     assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
@@ -338,3 +343,131 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     for r in rows:
         assert (total - biggest) / 2 <= r["rollout/weight_mb"] * 2**20 <= (total + biggest) / 2
         assert r["rollout/staleness_max"] == 0.0 and r["rollout/worker_failures"] == 0.0
+
+
+@pytest.mark.heavy  # make test: test_reward_model's 2x2x2-mesh scores and Ray-worker scoring
+def test_two_process_pod_with_a_reward_model_matches_one_process(tmp_path, jax_cache):
+    """A reward model on a pod (local backend): each process loads a replica on its own
+    devices (its host's rows of the mesh, data 2 x fsdp 2) and scores its own rows (a model on
+    the global mesh could not: each process feeds different texts); the run equals one
+    process on all 8 devices, which scores every row."""
+    from conftest import build_reward_model
+
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = (
+        f"data.reward_functions=[{{model: '{rm}', name: judge, batch_tokens: 256}}, "
+        "{function: 'pod_rewards:length', weight: 0.5}]"
+    )
+    overrides = [*(o for o in OVERRIDES if not o.startswith("data.reward_")), terms]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, cache=jax_cache, overrides=overrides)
+    procs += _launch(tmp_path, pod, 2, cache=jax_cache, overrides=overrides)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-2000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    for r, ref in zip(rows, reference):
+        assert ref["train/grad_norm"] > 0.1  # nonzero advantages: nothing trivially equal
+        for key in (*COMPARED, "reward/judge/mean", "reward/length/mean"):
+            assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+EXCHANGE_SCRIPT = """
+import sys
+
+import numpy as np
+
+from jgrpo import distributed
+
+coordinator, me, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+distributed.initialize(distributed.ProcessSpec(coordinator, 2, me, "flags", peer_timeout_s=30))
+from jgrpo import sharding
+from jgrpo.config import MeshConfig
+from jgrpo.rollout.exchange import exchange_rows
+
+mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2))
+rows = (5, 3)[me]  # the hosts generated different numbers of rows
+local = {
+    "x": (np.arange(rows * 3).reshape(rows, 3) + 100 * me).astype(np.int32),
+    "flag": np.arange(rows) % 2 == me,
+    "terms": np.zeros((rows, 0), np.float32),
+}
+source = np.array([1, 0, 1, 1, 0, 0, 1, 0])
+index = np.array([2, 4, 0, 1, 0, 3, 2, 1])
+got, positions = exchange_rows(local, source, index, mesh)
+np.savez(out, positions=positions, **got)
+distributed.finish()
+"""
+
+
+def test_rows_move_between_two_processes_through_the_devices(tmp_path):
+    """Dynamic sampling on a pod: the rows a host feeds may have been generated on another.
+    Each of 2 processes (4 devices each) gets its rows of the picked batch, with positions."""
+    (tmp_path / "exchange.py").write_text(EXCHANGE_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = xla_flags(4)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(tmp_path / "exchange.py"),
+                coordinator,
+                str(i),
+                str(tmp_path / f"{i}.npz"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    x = {h: np.arange(n * 3).reshape(n, 3) + 100 * h for h, n in ((0, 5), (1, 3))}
+    flag = {h: np.arange(n) % 2 == h for h, n in ((0, 5), (1, 3))}
+    source = [1, 0, 1, 1, 0, 0, 1, 0]
+    index = [2, 4, 0, 1, 0, 3, 2, 1]
+    seen = []
+    for i in range(2):
+        with np.load(tmp_path / f"{i}.npz") as got:
+            assert len(got["positions"]) == 4 and got["terms"].shape == (4, 0)
+            for row, b in enumerate(got["positions"]):
+                np.testing.assert_array_equal(got["x"][row], x[source[b]][index[b]])
+                assert got["flag"][row] == flag[source[b]][index[b]]
+            seen += list(got["positions"])
+    assert sorted(seen) == list(range(8))
+
+
+FLAT_HALF_REWARD = (  # half the prompts score 0 on every completion: all-equal groups
+    "import zlib\n\n"
+    "def length(prompts, completions, **kwargs):\n"
+    "    return [0.0 if zlib.crc32(p.encode()) % 2 else len(c) / 8.0\n"
+    "            for p, c in zip(prompts, completions)]\n"
+)
+
+
+@pytest.mark.heavy  # in make test: test_rows_move_between_two_processes_through_the_devices
+def test_two_process_pod_with_dynamic_sampling_matches_one_process(tmp_path, jax_cache):
+    """Every host draws the same extra prompts, keeps the same informative groups and feeds its
+    rows of them (generated on either host): the one-process run's losses and counts."""
+    (tmp_path / "pod_rewards.py").write_text(FLAT_HALF_REWARD)
+    ds = "grpo.use_dynamic_sampling=true"
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, ds, cache=jax_cache)
+    procs += _launch(tmp_path, pod, 2, ds, cache=jax_cache)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert max(r["dynamic_sampling/gen_batches"] for r in reference) > 1
+    assert all(r["train/grad_norm"] > 0.01 for r in reference)  # nothing compared is 0
+    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
+    counts = ("dynamic_sampling/", "batch/frac_reward_zero_std", "reward/frac_groups_all_equal")
+    pick = lambda rs: [{k: v for k, v in r.items() if k.startswith(counts)} for r in rs]  # noqa: E731
+    assert pick(rows) == pick(reference)

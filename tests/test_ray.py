@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import ray
+from conftest import build_reward_model
 from flax import nnx
 
 from jgrpo import sampling, sharding, train
@@ -20,7 +21,13 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
-from jgrpo.rollout.engine import RolloutFailure
+from jgrpo.rollout.engine import (
+    VALIDATION_SALT,
+    RolloutFailure,
+    concat_results,
+    step_key,
+    train_salt,
+)
 from jgrpo.rollout.ray_backend import RayRollout, WeightBroker, pull_weights
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks import make_task
@@ -72,24 +79,53 @@ def examples_for(cfg, steps):
 
 @pytest.fixture(scope="module")
 def local_results(folder, versions):
-    """Sync local backend: train results of steps 0..2 (version = step) and one evaluation."""
+    """The workers' computation in this process: train results of steps 0..2 (version = step)
+    and one evaluation, each sampled in the parts the two workers get (contiguous prompts,
+    `first_prompt` set) and joined. Same programs at the same shapes: the logprobs agree bit
+    for bit (XLA may round a batch of 4 rows differently from a batch of 8); the tokens also
+    equal the unsplit local backend's (per-row draws)."""
     cfg = make_cfg(folder)
     engine, graphdef = build_engine(cfg, folder)
     local = make_backend(cfg, engine, graphdef, folder)
+
+    def in_parts(examples, key, version, num_generations, greedy=False, training=True):
+        bounds = np.linspace(0, len(examples), min(2, len(examples)) + 1).astype(int)
+        parts = [(int(lo), examples[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        results = [
+            engine.rollout(
+                graphdef,
+                versions[version],
+                part,
+                key,
+                version,
+                num_generations,
+                greedy=greedy,
+                first_prompt=lo,
+                training=training,
+            )
+            for lo, part in parts
+        ]
+        return concat_results(results, [lo for lo, _ in parts])
+
     results = []
     for step, examples in enumerate(examples_for(cfg, 3)):
         local.publish(versions[step], step)
         local.request(step, examples)
-        results.append(local.collect(step))
+        whole = local.collect(step)
+        split = in_parts(examples, step_key(cfg.grpo.seed, step, train_salt(0)), step, G)
+        for key in ROW_KEYS:
+            np.testing.assert_array_equal(split.batch[key], whole.batch[key], err_msg=key)
+        results.append(split)
     val = make_task(cfg.data, cfg.grpo.seed).val[:3]
-    return results, local.evaluate(val, step=2, pass_k=1)
+    key = step_key(cfg.grpo.seed, 2, VALIDATION_SALT)
+    return results, in_parts(val, key, 2, 1, greedy=True, training=False)
 
 
 def assert_same_rows(got, want):
     for key in ROW_KEYS:
         np.testing.assert_array_equal(got.batch[key], want.batch[key], err_msg=key)
-    np.testing.assert_allclose(
-        got.batch["generation_logprobs"], want.batch["generation_logprobs"], rtol=0, atol=1e-6
+    np.testing.assert_array_equal(
+        got.batch["generation_logprobs"], want.batch["generation_logprobs"]
     )
     np.testing.assert_array_equal(got.batch["weight_version"], want.batch["weight_version"])
 
@@ -120,6 +156,36 @@ def test_sync_matches_local_backend(folder, versions, local_results):
             backend.collect(5)
     finally:
         backend.close()
+
+
+def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, versions, tmp_path):
+    """A reward model under rollout.backend=ray: each worker loads it on its own device and
+    scores its own rows. The rows equal the local backend's (which scores on this process's
+    8 devices); the model's term agrees to float32 rounding (another device layout)."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge, weight: 2.0}}]"
+    cfg = make_cfg(folder, terms)
+    engine, graphdef = build_engine(cfg, folder)
+    local = make_backend(cfg, engine, graphdef, folder)
+    workers = RayRollout(ray_cfg(folder, terms), folder)
+    try:
+        results = []
+        for backend in (local, workers):  # one step, split over the two workers
+            backend.publish(versions[1], 1)
+            backend.request(1, examples_for(cfg, 1)[0])
+            results.append(backend.collect(1))
+        want, got = results
+        assert np.std(want.batch["reward_terms"][:, 0]) > 0.05  # the scores differ row to row
+        np.testing.assert_allclose(got.batch["reward_terms"], want.batch["reward_terms"], atol=1e-5)
+        np.testing.assert_allclose(got.batch["rewards"], want.batch["rewards"], atol=2e-5)
+        for key in ROW_KEYS:
+            if key != "rewards":
+                np.testing.assert_array_equal(got.batch[key], want.batch[key], err_msg=key)
+        judge = want.stats["reward/judge/mean"]
+        assert got.stats["reward/judge/mean"] == pytest.approx(judge, abs=1e-5)
+        assert got.stats["perf/reward_model_s"] > 0
+    finally:
+        workers.close()
 
 
 @pytest.mark.heavy  # in make test: test_sampling's shared-prefill tests (the same engine call)
@@ -391,3 +457,30 @@ def test_run_survives_sigkilled_workers(tmp_path, local_run, monkeypatch):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=2")
     assert_same_metrics(rows, local_run, split=True)  # every step trained once, none lost
     assert rows[-1]["rollout/worker_failures"] == 2.0
+
+
+@pytest.mark.heavy  # make test: test_workers_score_with_the_reward_model_as_the_local_backend_does
+def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
+    """Sync Ray with the reward model on the workers gives the local run's numbers (the model's
+    scores to float32 rounding: another device layout); async Ray trains with it too."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge}}]"
+    want = run_tiny(tmp_path / "local", terms)
+    ray_args = ["rollout.backend=ray", "rollout.num_workers=2"]
+    got = run_tiny(tmp_path / "sync", terms, *ray_args)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if not is_timing(key) and isinstance(value, float):
+                assert g[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (w["step"], key)
+    assert all(r["train/grad_norm"] > 1e-4 for r in want[1:])  # the rewards differ in groups
+    rows = run_tiny(
+        tmp_path / "async",
+        terms,
+        *ray_args,
+        "rollout.max_staleness=1",
+        "loss.use_importance_sampling_correction=true",
+    )
+    for r in rows[1:]:
+        assert np.isfinite(r["loss"]) and np.isfinite(r["reward/judge/mean"])
+        assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0

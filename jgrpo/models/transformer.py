@@ -253,37 +253,6 @@ def _layer_out(p, cfg, x_btd, attn_btnh):
 # ----------------------------------------------------------------------------- the module
 
 
-@jax.custom_vjp
-def _from_bits(bits, like):
-    """`like` (a 16-bit float layer slice) rebuilt from `bits`, its integer view; the gradient
-    flows to `like`. See `Transformer._hidden`: XLA:CPU slices a float16/bfloat16 array in
-    float32, so a scan over stacked bfloat16 weights converted each whole stack to float32
-    once, hoisted out of the layer loop (a float32 copy of every bfloat16 parameter tree per
-    step); an integer view is sliced as it is stored. CPU kernel path only (other backends
-    slice 16-bit floats natively)."""
-    return jax.lax.bitcast_convert_type(bits, like.dtype)
-
-
-def _from_bits_fwd(bits, like):
-    return _from_bits(bits, like), bits.shape
-
-
-def _from_bits_bwd(shape, g):
-    return np.zeros(shape, jax.dtypes.float0), g
-
-
-_from_bits.defvjp(_from_bits_fwd, _from_bits_bwd)
-
-
-def _bits_of(stacked: dict) -> dict:
-    """The uint16 views of the 16-bit float arrays of `stacked` (for `_from_bits`)."""
-    return {
-        name: jax.lax.bitcast_convert_type(w, jnp.uint16)
-        for name, w in stacked.items()
-        if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
-    }
-
-
 def _param(rngs, shape, axes, dtype, scale):
     if scale is None:  # norm weights start at one
         value = jnp.ones(shape, dtype)
@@ -401,15 +370,20 @@ class Transformer(nnx.Module):
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
         the body in the stored dtype (16-bit stored weights enter the scan as their integer
-        views on the CPU path, `_from_bits`: no float32 copy of a stack). With `cfg.remat`
+        views on the CPU path, `kernels.from_bits`: no float32 copy of a stack). With `cfg.remat`
         the body is a `jax.checkpoint`: the backward keeps only each layer's input (full) or
-        also its weight-matmul outputs (dots) and recomputes the rest."""
+        also its weight-matmul outputs (dots) and recomputes the rest; on the CPU path a 16-bit
+        layer input enters the checkpoint as its integer view too, so the stack of inputs the
+        backward keeps is uint16, not float32."""
         cfg = self.cfg
         mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
 
-        def layer(x_btd, xs):
+        def layer(x_in, xs):
+            x_bits, x_btd = x_in  # x_bits: x_btd's uint16 view (the remat residual) or None
+            if x_bits is not None:
+                x_btd = _kernels.from_bits(x_bits, x_btd)
             p, bits = xs
-            p = {name: _from_bits(bits[name], w) if name in bits else w for name, w in p.items()}
+            p = {n: _kernels.from_bits(bits[n], w) if n in bits else w for n, w in p.items()}
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
@@ -420,8 +394,14 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         stacked = self._layer_params(use_lora)
-        bits = _bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
-        x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), (stacked, bits))
+        path = resolve_kernels(cfg.kernels)
+        bits = _kernels.uint16_views(stacked, path)
+
+        def body(x_btd, xs):
+            views = {} if cfg.remat == "none" else _kernels.uint16_views({"x": x_btd}, path)
+            return layer((views.get("x"), x_btd), xs)
+
+        x_btd, _ = jax.lax.scan(body, self._constrain(x_btd), (stacked, bits))
         return x_btd
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, use_lora=True):
