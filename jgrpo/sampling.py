@@ -427,21 +427,22 @@ def _decode_in_slots(
         return t + 1, (next_row, staged, slots, cache, out)
 
     def decode(loop):
-        """Fill the free slots, then decode until a slot frees up while rows wait. Steps in
-        [start, end) of a segment attend the cache slots written by then (a slot's row
-        entered at a step >= 0, so its token i < t); the last segment runs to the end."""
+        """Fill the free slots, then decode until a slot frees up while rows wait. A segment
+        [start, end) runs while every active slot has emitted fewer than `end` tokens, so it
+        attends only the cache columns written by then (its rows' ages, not the step count:
+        a young pool after a refill reads a short cache); the last segment runs to the end."""
         loop = (loop[0], fill(loop[1]))
         segments = _segments(n, spec.attention_chunk) or [(1, 2)]
         for k, (_, end) in enumerate(segments):
             last = k == len(segments) - 1
-            attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
+            attend_len = cache_len if last else min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
 
             def cond(loop, end=end, last=last):
-                t, (next_row, _, slots, _, _) = loop
-                go = jnp.any(slots[3]) & ((next_row >= b) | jnp.all(slots[3]))
-                return go if last else go & (t < end)
+                _, (next_row, _, (_, emitted_s, _, active_s, _), _, _) = loop
+                go = jnp.any(active_s) & ((next_row >= b) | jnp.all(active_s))
+                oldest = jnp.max(jnp.where(active_s, emitted_s, 0))
+                return go if last else go & (oldest < end)
 
-            attend_len = cache_len if last else attend_len
             loop = jax.lax.while_loop(cond, functools.partial(step, attend_len=attend_len), loop)
         return loop
 
