@@ -38,6 +38,10 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
         phases = variant["phases_s"]
         assert phases["train"] > 0 and phases["generation"] >= phases["  sample"] > 0
         assert 0 < variant["train_vs_matmul_limit"] < 2
+    skewed = report["decode_slots"]["tiny"]
+    assert "== decode slots, tiny" in out.stdout, out.stdout
+    assert skewed["skewed shared=no slots=32"]["same_tokens"] is True
+    assert skewed["skewed shared=no slots=32"]["tokens_per_s"] > 0
     sampler = report["sampler"]["A tiny"]
     assert sampler["jgrpo_tokens_per_s"] > 0 and sampler["decode_vs_bandwidth_limit"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json

@@ -13,6 +13,9 @@ One run measures, side by side:
              generation's analytic flops, as FLOP/s and as a fraction of the matmul limit;
   sampler    jgrpo.sampling.generate vs transformers' generate (tools/bench_sampler.py), with
              decode's bytes/s (weights + KV cache read per token step) vs the bandwidth limit;
+  slots      the sampler's decode slots (`rollout.decode_slots`) vs one batch of every row, with
+             and without shared prefill, on skewed and uniform completion lengths
+             (tools/bench_sampler.py --slots);
   compile    the tiny config's first step in a fresh process: cold compilation cache vs warm
              (`jgrpo.compile_cache`), and the steady step after it.
 
@@ -303,6 +306,22 @@ def _weight_bytes(m) -> int:
     return 4 * (m.num_layers * layer + m.hidden_size * m.vocab_size)
 
 
+# ------------------------------------------------------------------------ decode slots
+def bench_slots_section(smoke: bool, with_smollm2: bool) -> dict:
+    """tools/bench_sampler.py's decode-slot tables (printed as measured) -> {shape: {"workload
+    shared=yes|no slots=S|all": row}} (smoke: the tiny shape's quick pair)."""
+    import bench_sampler
+
+    tables = bench_sampler.bench_all_slots(smoke, with_smollm2)
+    return {
+        shape: {
+            f"{w} shared={'yes' if shared else 'no'} slots={slots or 'all'}": row
+            for (w, shared, slots), row in rows.items()
+        }
+        for shape, rows in tables.items()
+    }
+
+
 # ------------------------------------------------------------------------ compile
 def bench_compile(workdir: Path) -> dict:
     """The tiny config's first two steps in fresh processes sharing one fresh cache."""
@@ -411,6 +430,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny only, 1 round, quick sampler")
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler comparison")
+    ap.add_argument("--no-slots", action="store_true", help="skip the decode-slot tables")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the JSON")
     ap.add_argument("--label", default="", help="a name saved with the results")
@@ -447,6 +467,8 @@ def main(argv=None) -> dict:
                     raise
                 print(f"\nsampler comparison skipped: tools/bench_sampler.py needs {e.name}")
                 report["sampler_skipped"] = f"{type(e).__name__}: {e}"
+        if not args.no_slots:
+            report["decode_slots"] = bench_slots_section(args.smoke, "smollm2" in sizes)
         if not args.no_compile:
             report["compile"] = bench_compile(Path(tmp))
     print_report(report)

@@ -305,15 +305,15 @@ SLOT_COUNTS = {"tiny": (None, 64, 32, 16), "smollm2": (None, 32)}
 
 def slot_variants(size: str, quick: bool = False) -> list[tuple[str, bool, int | None]]:
     """The (workload, shared prefill, slots) of a shape's table: every slot count with and
-    without shared prefill on both workloads (quick: today's and 32 slots, skewed, no sharing)."""
+    without shared prefill on the skewed workload, without on the uniform one (SmolLM2: the
+    uniform rows take minutes each; quick: today's and 32 slots, skewed, no sharing)."""
     if quick:
         return [("skewed", False, None), ("skewed", False, 32)]
-    return [
-        (workload, shared, slots)
-        for workload in ("skewed", "uniform")
-        for shared in (False, True)
-        for slots in SLOT_COUNTS[size]
-    ]
+    skewed = [("skewed", sh, slots) for sh in (False, True) for slots in SLOT_COUNTS[size]]
+    uniform = [("uniform", False, slots) for slots in SLOT_COUNTS[size]]
+    if size == "tiny":
+        uniform += [("uniform", True, slots) for slots in SLOT_COUNTS[size]]
+    return skewed + uniform
 
 
 def smollm2_shape() -> TransformerConfig:
@@ -356,6 +356,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     config = args.config or ("A" if args.quick else "all")
     if args.slots:
+        from bench import machine_limits  # tools/: the limits `make bench` reports
+
+        limits = machine_limits(3 if args.quick else 10)
+        print(
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} cores: "
+            f"matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, memory read "
+            f"{limits['memory_read_bytes_per_s'] / 1e9:.1f} GB/s"
+        )
         bench_all_slots(args.quick, config in ("B", "all"), args.kernels)
         return
     rounds = args.rounds or (3 if args.quick else 7)
