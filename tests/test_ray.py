@@ -188,12 +188,14 @@ def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, v
         workers.close()
 
 
-@pytest.mark.heavy  # in make test: test_sampling's shared-prefill tests (the same engine call)
+@pytest.mark.heavy  # in make test: test_sampling's shared-prefill and decode-slot tests
+@pytest.mark.parametrize("slots", [(), ("rollout.decode_slots=3",)])
 def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
-    folder, versions, local_results, monkeypatch
+    folder, versions, local_results, monkeypatch, slots
 ):
     """rollout.shared_prefill: the engine gives the sampler its groups of G rows (local
-    backend; Ray workers run the same engine) and the rows are those without sharing."""
+    backend; Ray workers run the same engine) and the rows are those without sharing; also
+    with rollout.decode_slots below a worker's rows (a prompt's rows enter in parts)."""
     want, _ = local_results
     group_sizes = []
     generate = sampling.generate
@@ -203,10 +205,10 @@ def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
         return generate(*args, **kw)
 
     monkeypatch.setattr(sampling, "generate", spy)
-    cfg = make_cfg(folder, "rollout.shared_prefill=true")
+    cfg = make_cfg(folder, "rollout.shared_prefill=true", *slots)
     engine, graphdef = build_engine(cfg, folder)
     local = make_backend(cfg, engine, graphdef, folder)
-    workers = RayRollout(ray_cfg(folder, "rollout.shared_prefill=true"), folder)
+    workers = RayRollout(ray_cfg(folder, "rollout.shared_prefill=true", *slots), folder)
     try:
         for step, examples in enumerate(examples_for(cfg, 2)):
             for backend in (local, workers):
