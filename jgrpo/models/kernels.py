@@ -131,10 +131,11 @@ def cache_slots(keys, path: KernelPath) -> int:
 
 def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: KernelPath):
     """Write one token's key/value at cache `slot` (dynamic_update_slice: in place in a loop
-    carry), then attend its query over the first s = mask_bs.shape[1] slots where mask_bs
-    -> (out_b1nh in q's dtype, keys, values). Each path's math is its `attention`'s (float32
-    softmax, probabilities cast to the cache dtype before the value dot), so in bf16 the
-    sampler rounds as the trainer's forward does."""
+    carry; a [b] array of slots, one per row, is a scatter: the sampler's decode slots), then
+    attend its query over the first s = mask_bs.shape[1] slots where mask_bs -> (out_b1nh in
+    q's dtype, keys, values). Each path's math is its `attention`'s (float32 softmax,
+    probabilities cast to the cache dtype before the value dot), so in bf16 the sampler rounds
+    as the trainer's forward does."""
     zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
     s = mask_bs.shape[1]
     rows_b = jnp.arange(q_b1nh.shape[0])  # with one slot per row (slot [b]): a scatter

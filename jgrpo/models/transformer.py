@@ -549,10 +549,11 @@ class Transformer(nnx.Module):
 
         `layers` is `self.layer_weights()` (in the compute dtype); the layers run unrolled,
         each writing its new key/value at cache `slot` with one `dynamic_update_slice` (in
-        place in a loop carry). Positions must be < the number of cache slots (a token's slot
-        bounds it). `attend_len` (static) limits attention to cache slots [0, attend_len): the
-        caller promises no slot past it is wanted yet (the sampler decodes in segments so early
-        tokens do not pay for the whole cache).
+        place in a loop carry; a [b] array `slot` gives each row its own column: a scatter).
+        Positions must be < the number of cache slots (a token's slot bounds it). `attend_len`
+        (static) limits attention to cache slots [0, attend_len): the caller promises no slot
+        past it is wanted yet (the sampler decodes in segments so early tokens do not pay for
+        the whole cache).
         """
         cfg = self.cfg
         path = resolve_kernels(cfg.kernels)
