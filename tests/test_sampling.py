@@ -545,6 +545,13 @@ def grouped_prompts(num_prompts, group, seed):
     return [p for p in make_prompts(lengths, seed=seed) for _ in range(group)]
 
 
+STOPS = tuple(range(2, 14))
+"""12 of the 128 tokens stop a row: lengths spread from 1 to the cap, so slots free up early."""
+SLOT_PARAMS = SamplingParams(
+    max_new_tokens=20, top_p=0.9, prompt_bucket=8, stop_token_ids=STOPS, attention_chunk=8
+)
+"""Prompts of <= 16 tokens: a cache of 48 columns; decode segments [1, 9), [9, 17), [17, 20)
+attend 32, 48 and 48 of them (a segment runs while its slots' rows are young enough)."""
 SHARED_PREFILL_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 1.0)}
 """The cases make test runs (one per kernel path, sampled); make test-all runs all eight."""
 SHARED_PREFILL_CASES = [
@@ -559,8 +566,8 @@ def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, tempera
     as prefilling every row (draws keyed by row: the G rows of a prompt still differ)."""
     model = with_kernels(pair[1], kernels_path)
     model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
-    prompts, group = grouped_prompts(4, 3, seed=6), 3
-    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=0.9, prompt_bucket=8)
+    prompts, group = grouped_prompts(4, 4, seed=6), 4
+    params = dataclasses.replace(SLOT_PARAMS, temperature=temperature)  # decode slots' ref too
     key = jax.random.key(8)
     rows = generate(model, prompts, params, key, first_row=6)
     shared = generate(model, prompts, params, key, first_row=6, group_size=group)
@@ -568,7 +575,7 @@ def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, tempera
     np.testing.assert_array_equal(shared.lengths, rows.lengths)
     np.testing.assert_array_equal(shared.prompt_tokens, rows.prompt_tokens)
     np.testing.assert_array_equal(shared.prompt_lengths, rows.prompt_lengths)
-    # bit-identical here (4 vs 12 prefill rows compile alike); at other shapes XLA:CPU may fuse
+    # bit-identical here (4 vs 16 prefill rows compile alike); at other shapes XLA:CPU may fuse
     # the prefill differently for another number of rows (a [b, 64, 64] float32 rms_norm
     # becomes one fusion from b = 64 on, 1 ulp apart): then they agree to float32 rounding
     np.testing.assert_array_equal(shared.logprobs, rows.logprobs)
@@ -608,13 +615,6 @@ def test_shared_prefill_checks_the_groups(pair):
 
 # ----------------------------------------------------------------------------- decode slots
 
-STOPS = tuple(range(2, 14))
-"""12 of the 128 tokens stop a row: lengths spread from 1 to the cap, so slots free up early."""
-SLOT_PARAMS = SamplingParams(
-    max_new_tokens=20, top_p=0.9, prompt_bucket=8, stop_token_ids=STOPS, attention_chunk=8
-)
-"""Prompts of <= 16 tokens: a cache of 48 columns; decode segments [1, 9), [9, 17), [17, 20)
-attend 32, 48 and 48 of them (a segment runs while its slots' rows are young enough)."""
 DECODE_SLOTS_FAST = {("cpu", "float32", 1.0): [(2, 4)], ("portable", "bfloat16", 1.0): [(8, 1)]}
 """The cases make test runs (one per kernel path, one slot count each: a slot program compiles
 in ~6 CPU s); make test-all runs all eight with every (slots, group_size)."""
