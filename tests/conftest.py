@@ -1,31 +1,47 @@
-"""Shared fixtures. Sets 8 fake CPU devices before jax is imported (the only place that does)."""
+"""Shared fixtures. Sets 8 fake CPU devices before jax is imported (the only place that does).
+
+The suite's wall time is mostly XLA:CPU compiling small programs, so two settings serve every
+test process and the subprocesses tests start (`xla_flags` builds their XLA_FLAGS):
+- `--xla_backend_optimization_level=0`: LLVM does not optimise the generated machine code. Every
+  HLO pass still runs (the same fusions, layouts and arithmetic), and the matmuls are Eigen's
+  either way; compiling takes about half the CPU time. Benchmarks, tools and runs outside the
+  tests compile at XLA's default.
+- one persistent compilation cache per test session, exported (JAX_COMPILATION_CACHE_DIR), so
+  the xdist workers and the `jgrpo` subprocesses they start share what any of them compiled."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+"""XLA flags of every test process besides the device count (see the module docstring)."""
+
+
+def xla_flags(devices=8) -> str:
+    """XLA_FLAGS for a process with `devices` fake CPU devices (None: jax's default, one)."""
+    count = () if devices is None else (f"--xla_force_host_platform_device_count={devices}",)
+    return " ".join((*TEST_XLA_FLAGS, *count))
+
+
+# an xdist worker inherits the controller's environment: set each flag once
+_inherited = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_inherited, *(f for f in xla_flags(8).split() if f not in _inherited)]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    # One persistent XLA compilation cache for this test process (not exported: subprocesses,
-    # pods and Ray workers compile on their own). The suite compiles the same tiny programs in
-    # many runs (each train.run jits its own step and sampler); a hit skips XLA's compile, not
-    # the trace, so compile counts stay. Measured: three tiny runs 64.8 -> 36.9 CPU s.
-    import jax  # noqa: E402
-
+    # the session's cache, made by the first process that loads this file (the xdist controller):
+    # a hit skips XLA's compile, not the trace, so compile counts stay
     _XLA_CACHE = tempfile.mkdtemp(prefix="jgrpo-tests-xla-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from jgrpo.models.tiny import tiny_model_fields  # noqa: E402
 

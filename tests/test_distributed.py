@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import xla_flags
 from flax import nnx
 
 from jgrpo import distributed
@@ -214,7 +215,7 @@ def _launch(
 ) -> list[subprocess.Popen]:
     """`jgrpo train` on `num_processes` processes x (8 / num_processes) fake CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    env["XLA_FLAGS"] = xla_flags(8 // num_processes)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache or tmp_path / "jax_cache")

@@ -3,12 +3,12 @@
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
-    # (every copy of the flag: an xdist worker inherits the parent's and conftest adds its own)
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags.split())}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--tiny", "--out", str(out)],
         env=env,
@@ -95,10 +91,7 @@ def test_gpu_check_runs_a_lora_recipe_step_on_cpu():
         "import json, sys; sys.path.insert(0, 'tools'); import gpu_check as g; "
         "print(json.dumps(g.check_recipe(g.T4_RECIPE[0], g.TINY_RECIPE[1], steps=1)))"
     )
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags.split())}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900

@@ -4,12 +4,11 @@ one tagged `parameters`) on a CPU, forced on, against a loopback hub serving sta
 Qwen2.5-0.5B-Instruct and GSM8K."""
 
 import json
-import os
-import re
 import shutil
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 from hub_server import HubServer  # tests/ is on sys.path (rootdir conftest)
 from test_api import CHAT_TEMPLATE
 from test_hub import _env
@@ -129,8 +128,7 @@ def test_notebook_gpu_path_runs_against_a_loopback_hub(tmp_path, monkeypatch):
         for key, value in _env(tmp_path / "hf", server.endpoint).items():
             monkeypatch.setenv(key, value)
         # one device, as on a T4 (not the suite's 8 fake ones)
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
-        monkeypatch.setenv("XLA_FLAGS", " ".join(flags.split()))
+        monkeypatch.setenv("XLA_FLAGS", xla_flags(None))
         text, images = execute(nb, work)
         fetched = {r.rsplit("/", 1)[-1] for r in server.requests if "/resolve/" in r}
     assert {"config.json", "model.safetensors", "train.jsonl"} <= fetched

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_reward_model
+from conftest import build_reward_model, xla_flags
 
 from jgrpo import cli, train
 from jgrpo.config import load_config
@@ -219,7 +219,7 @@ def test_training_on_a_2x2x2_mesh_matches_one_device(tmp_path, monkeypatch):
     overrides = _run_overrides(folder, tmp_path, monkeypatch)
     root = Path(TINY).parents[1]
     env = os.environ | {
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": xla_flags(1),
         "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)]),
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
     }
