@@ -142,8 +142,7 @@ def chat_traces(task, examples, tokenizer) -> list[tuple[list[int], list[int]]]:
     schemas = task.tool_runner.schemas or None
     chat = ChatFormat(tokenizer, [tokenizer.eos_token_id], schemas)
     rows = [
-        chat.encode(task.prompt_messages(ex) + task.kind.reference_messages(ex))
-        for ex in examples
+        chat.encode(task.prompt_messages(ex) + task.kind.reference_messages(ex)) for ex in examples
     ]
     prompt = task.format_prompt(examples[0], tokenizer, tools=schemas)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
