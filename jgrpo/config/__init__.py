@@ -50,6 +50,7 @@ from jgrpo.config.sections import (
     OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
+    ValSetConfig,
 )
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "ValSetConfig",
     "apply_overrides",
     "check_resume_compatible",
     "field_docs",

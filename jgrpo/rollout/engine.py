@@ -158,15 +158,18 @@ class RolloutEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.task = task
-        if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
-            what = (
-                "data.prompt_key: the dataset has chat-message prompts"
-                if cfg.data.task == "prompts"
-                else f"data.task: the {cfg.data.task} task's prompts are chat messages"
-            )
-            raise ConfigError(
-                f"{what} but the tokenizer of model.path {cfg.model.path!r} has no chat template"
-            )
+        tasks = {"data": task, **{f"data.val_sets.{k}": v for k, v in task.val_tasks.items()}}
+        for where, t in tasks.items():
+            if getattr(t, "needs_chat_template", False) and not tokenizer.chat_template:
+                what = (
+                    f"{where}.prompt_key: the dataset has chat-message prompts"
+                    if t.cfg.task == "prompts"
+                    else f"{where}.task: the {t.cfg.task} task's prompts are chat messages"
+                )
+                raise ConfigError(
+                    f"{what} but the tokenizer of model.path {cfg.model.path!r} has no chat "
+                    "template"
+                )
         runner = task.tool_runner
         self.turn_settings = turns.TurnSettings.from_config(
             cfg, tools=bool(runner.tools), environment=runner.environment is not None
@@ -196,16 +199,22 @@ class RolloutEngine:
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompts(self, examples, observations=None) -> tuple[list[str], list[list[int]]]:
-        """Prompt texts and ids; multi-turn prompts carry the tools' schemas, and each an
-        environment's first observation when `observations` are given (one per example)."""
+    def prompts(self, examples, observations=None, task=None) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, token ids) of `examples` in `task`'s format (default: the run's);
+        multi-turn prompts carry the tools' schemas, and each an environment's first
+        observation when `observations` are given (one per example)."""
+        task = task or self.task
         observations = observations or [None] * len(examples)
         tools = self.task.tool_runner.schemas or None if self.multi_turn else None
         texts = [
-            self.task.format_prompt(ex, self.tokenizer, tools, obs)
+            task.format_prompt(ex, self.tokenizer, tools, obs)
             for ex, obs in zip(examples, observations)
         ]
         return texts, [list(self._encode(t)) for t in texts]
+
+    def task_of(self, val_set: str | None):
+        """The Task that prompts and scores `val_set` (None: the run's own task)."""
+        return self.task if val_set is None else self.task.val_tasks[val_set]
 
     @property
     def chat(self) -> ChatFormat:
@@ -216,12 +225,15 @@ class RolloutEngine:
             self._chat = ChatFormat(self.tokenizer, spec.stop_token_ids, tools)
         return self._chat
 
-    def reset_environments(self, examples) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    def reset_environments(
+        self, examples, task=None
+    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
         """A fresh environment per row: (first observations, reset ok bool[B], errors int32[B],
-        timeouts int32[B]) of reset(**record) (task.columns)."""
+        timeouts int32[B]) of reset(**record) (`task.columns`; default: the run's task)."""
+        task = task or self.task
         runner = self.task.tool_runner
         ops = [("clear", -1, None)]
-        ops += [("reset", b, self.task.columns(ex)) for b, ex in enumerate(examples)]
+        ops += [("reset", b, task.columns(ex)) for b, ex in enumerate(examples)]
         results = runner.run(ops)[1:]
         ok = np.asarray([status == OK for status, _ in results], bool)
         observations = [value if good else None for good, (_, value) in zip(ok, results)]
@@ -239,13 +251,16 @@ class RolloutEngine:
         greedy=False,
         first_prompt: int = 0,
         training: bool = True,
+        val_set: str | None = None,
     ) -> RolloutResult:
         """Sample `num_generations` completions per example and score them; a `training`
         batch also gets DAPO's overlong shaping and filtering (`dapo.shape_training_batch`).
+        `val_set`: the examples are that data.val_sets entry's, prompted and scored by its task.
 
         `first_prompt`: index of examples[0] in the whole step, when a step is split over
         workers; row draws depend on the global row index only, so the parts concatenated
         (`concat_results`) equal the unsplit batch."""
+        task = self.task_of(val_set)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
         row_examples = [examples[i] for i in rows]
         if greedy:
@@ -255,11 +270,13 @@ class RolloutEngine:
         env = self.turn_settings.environment
         reset_s = time.perf_counter()
         if env:  # one environment per row: its first observation is part of the row's prompt
-            observations, env_ok, env_errors, env_timeouts = self.reset_environments(row_examples)
+            observations, env_ok, env_errors, env_timeouts = self.reset_environments(
+                row_examples, task
+            )
             reset_s = time.perf_counter() - reset_s
-            row_texts, row_ids = self.prompts(row_examples, observations)
+            row_texts, row_ids = self.prompts(row_examples, observations, task)
         else:
-            texts, token_lists = self.prompts(examples)
+            texts, token_lists = self.prompts(examples, task=task)
             row_texts, row_ids = [texts[i] for i in rows], [token_lists[i] for i in rows]
             env_ok, reset_s = None, 0.0
         start = time.perf_counter()
@@ -282,7 +299,7 @@ class RolloutEngine:
         # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
         completion_ids = [conv.tokens[b, : conv.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
-        rewards, info = self.task.score(
+        rewards, info = task.score(
             row_texts,
             completions,
             row_examples,
@@ -300,13 +317,13 @@ class RolloutEngine:
         batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
-        names = tuple(self.task.reward_names)
+        names = tuple(task.reward_names)
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
-        elif (votes := self.task.votes(completions)) is not None:
+        elif (votes := task.votes(completions)) is not None:
             batch["vote_ids"] = vote_ids(votes)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
@@ -380,19 +397,6 @@ def train_salt(gen_batch: int) -> int:
     """step_key salt of a step's `gen_batch`-th generation batch: 0 for the first (dynamic
     sampling draws more), VALIDATION_SALT + gen_batch after it."""
     return 0 if gen_batch == 0 else VALIDATION_SALT + gen_batch
-
-
-def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
-    """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
-    pass_k samples (rows are example-major) is correct."""
-    metrics = {
-        "val/reward_mean": float(result.batch["rewards"].mean()),
-        "val/length_mean": float(result.batch["lengths"].mean()),
-    }
-    if "correct" in result.batch:  # tasks with a verifier
-        correct = result.batch["correct"].reshape(num_examples, pass_k)
-        metrics["val/accuracy"] = float(correct.any(axis=1).mean())
-    return metrics
 
 
 def step_key(seed: int, step: int, salt: int = 0):

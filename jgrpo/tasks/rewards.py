@@ -214,8 +214,11 @@ class RewardRunner:
         timeout_s: float,
         import_timeout_s: float = 60.0,
         indices: Sequence[int] | None = None,
+        key: str = "data.reward_functions",
     ):
         self.functions = tuple(functions)
+        self.key = key
+        """The dotted key messages name the functions under (a validation set's own terms)."""
         self.timeout_s = float(timeout_s)
         self.import_timeout_s = float(import_timeout_s)
         # positions in data.reward_functions (messages name them; reward models take others)
@@ -230,11 +233,16 @@ class RewardRunner:
             "timeout_s": self.timeout_s,
             "import_timeout_s": self.import_timeout_s,
             "indices": self.indices,
+            "key": self.key,
         }
 
     def __setstate__(self, state):
         self.__init__(
-            state["functions"], state["timeout_s"], state["import_timeout_s"], state["indices"]
+            state["functions"],
+            state["timeout_s"],
+            state["import_timeout_s"],
+            state["indices"],
+            state["key"],
         )
 
     def close(self) -> None:
@@ -248,7 +256,7 @@ class RewardRunner:
         return Child("jgrpo.tasks.rewards:serve", init, self.import_timeout_s, _WHAT)
 
     def _key(self, index: int) -> str:
-        return f"data.reward_functions[{self.indices[index]}].function"
+        return f"{self.key}[{self.indices[index]}].function"
 
     def start(self) -> None:
         """The start-up check: load every function in a fresh child; ConfigError naming the
@@ -264,7 +272,7 @@ class RewardRunner:
             except StartFailure as e:
                 child.close()
                 if e.index is None:
-                    raise ConfigError(f"data.reward_functions: {e}") from None
+                    raise ConfigError(f"{self.key}: {e}") from None
                 what = describe(self.functions[e.index].function)
                 raise ConfigError(f"{self._key(e.index)}: loading {what} {e}") from None
             if errors:

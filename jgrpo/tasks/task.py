@@ -7,12 +7,12 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 (`_KINDS`), differ only in prompts, references, generation and verifier: arithmetic, countdown
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
-
 Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
-for file data, a seeded split of the training records disjoint from training (at most half of
-them); else a synthetic set disjoint from every training example (dedup key: the question for
-arithmetic, the number multiset for countdown) of at most half the task's distinct questions
-(fewer than 2 is a ConfigError). It depends only on the data config, not on the run seed."""
+for file data, a seeded split of the training records (at most half of them); else a synthetic
+set disjoint from every training example (dedup key: the question for arithmetic, the number
+multiset for countdown), at most half the distinct questions (fewer than 2: ConfigError); it
+depends only on the data config. Each data.val_sets entry is a val-only Task of its own
+(`task.val_tasks[name]`): the entry's records, prompts and reward terms."""
 
 from __future__ import annotations
 
@@ -71,9 +71,10 @@ def check_rewards_given(cfg: DataConfig) -> None:
 class Task:
     """Data, prompts and rewards of one run; build it with `make_task`.
 
-    Pickling keeps only (data_cfg, seed): the copy is rebuilt with `load_data=False`, so a Ray
-    worker can format prompts and score without the data files; the data order stays with the
-    trainer's Task.
+    Pickling keeps only (data_cfg, seed, val_set): the copy is rebuilt with `load_data=False`,
+    so a Ray worker can format prompts and score without the data files; the data order stays
+    with the trainer's Task. `val_set`: this Task is the data.val_sets entry of that name (`cfg`
+    its resolved DataConfig): held-out records only, messages name data.val_sets.<name>.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class Task:
         cfg: DataConfig,
         seed: int,
         load_data: bool = True,
+        val_set: Optional[str] = None,
         *,
         train_dataset: Optional[Table] = None,
         eval_dataset: Optional[Table] = None,
@@ -93,6 +95,7 @@ class Task:
         check_rewards_given(cfg)
         self.cfg = cfg
         self.seed = int(seed)
+        self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
         self.reward_names = tuple(rf.label for rf in cfg.reward_functions) + (
@@ -105,6 +108,9 @@ class Task:
             cfg.reward_timeout_s,
             cfg.reward_import_timeout_s,
             indices=functions,
+            key="data.reward_functions"
+            if val_set is None
+            else f"data.val_sets.{val_set}.reward_functions",
         )
         builtin = tuple(getattr(self.kind, "tools", ()))
         self.tool_runner = ToolRunner(
@@ -121,20 +127,27 @@ class Task:
         """{index in data.reward_functions: jgrpo.models.reward_model.RewardModel}, attached
         by whoever scores (`attach_reward_models`): the trainer, or a Ray rollout worker."""
         self._train = self._val = None
-        self._val_sets: dict[str, list[Example]] = {}
-        if load_data:
+        if load_data and val_set is not None:
+            rows = self._rows(None, cfg.val_path, f"data.val_sets.{val_set}.path", "val")
+            self._val = rows[: cfg.num_val_examples]
+        elif load_data:
             self._train, self._val = self._build_data(train_dataset, eval_dataset)
-            for name, path in cfg.val_sets:  # more held-out sets, same task and rewards
-                rows = self._rows(None, path, f"data.val_sets.{name}", "val")
-                self._val_sets[name] = [
-                    rows[i] for i in range(min(len(rows), cfg.num_val_examples))
-                ]
+        self.val_tasks: dict[str, Task] = {}
+        """The data.val_sets entries by name, each a val-only Task (its prompts and scoring)."""
+        for vs in cfg.val_sets:
+            vt = Task(vs.data_config(cfg), seed, load_data, val_set=vs.name)
+            if vt.cfg.reward_functions == cfg.reward_functions:
+                vt._runner = self._runner  # the same terms: one reward process, not two
+            self.val_tasks[vs.name] = vt
+        if load_data and val_set is None:
             self.check_reward_models()
-            self._runner.start()  # the reward start-up check, before any model loads
-            self.tool_runner.start()  # likewise for tools and the environment
+            # the reward start-up checks, before any model loads; likewise tools and environment
+            for runner in {id(r): r for r in self._runners()}.values():
+                runner.start()
+            self.tool_runner.start()
 
     def __reduce__(self):
-        return (Task, (self.cfg, self.seed, False))
+        return (Task, (self.cfg, self.seed, False, self.val_set))
 
     # ------------------------------------------------------------------------- data
 
@@ -154,11 +167,6 @@ class Task:
         if self._val is None:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
-
-    @property
-    def val_sets(self) -> dict[str, list[Example]]:
-        """The named held-out sets of data.val_sets (name -> examples), besides `val`."""
-        return dict(self._val_sets)
 
     def _build_data(self, train_dataset, eval_dataset):
         cfg = self.cfg
@@ -346,8 +354,12 @@ class Task:
                 check_reward_model_path(rf.model, f"data.reward_functions[{i}]", rf.max_length)
 
     def attach_reward_models(self, models: dict) -> None:
-        """Use these loaded reward models (`jgrpo.models.reward_model.load_reward_models`)."""
+        """Use these loaded reward models (`jgrpo.models.reward_model.load_reward_models`),
+        here and in the validation sets that inherit data.reward_functions."""
         self.reward_models = dict(models)
+        for vt in self.val_tasks.values():
+            if vt.cfg.reward_functions == self.cfg.reward_functions:
+                vt.attach_reward_models(models)
 
     def votes(self, completions: Sequence[str]) -> Optional[list[Optional[str]]]:
         """Each completion's final answer as maj@n votes on it (the verifier's extraction,
@@ -359,6 +371,9 @@ class Task:
     def start_rewards(self) -> None:
         """Run the reward start-up check now (a Task built with load_data=False skips it)."""
         self._runner.start()
+
+    def _runners(self) -> list[RewardRunner]:
+        return [self._runner, *(vt._runner for vt in self.val_tasks.values())]
 
     def score(
         self,
@@ -462,9 +477,11 @@ class Task:
         return rewards.astype(np.float32), info
 
     def close(self) -> None:
-        """Stop the reward child process, if any (it also dies with this process)."""
+        """Stop the reward child processes, if any (they also die with this process)."""
         self._runner.close()
         self.tool_runner.close()
+        for vt in self.val_tasks.values():
+            vt.close()
 
 
 def make_task(
