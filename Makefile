@@ -5,7 +5,7 @@ TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_TOOLS_WARM_START := --steps 120 --warmup-steps 20
+DEMO_TOOLS_WARM_START := --steps 240 --batch-size 32 --warmup-steps 20
 
 .PHONY: venv demo demo-tools test test-all test-fast lint bench clean
 

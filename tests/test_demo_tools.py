@@ -2,13 +2,10 @@
 trains on: the ideal conversation, loss on the assistant ids only), then 2 GRPO steps through
 the same config in which the warm-started model calls the calculator."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from jgrpo import train
 from jgrpo.config import load_config
@@ -20,15 +17,6 @@ TINY = (
     "--hidden-size 32 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate-size 64 "
     "--steps 40 --batch-size 8 --warmup-steps 5 --learning-rate 1e-2 --no-eval"
 ).split()
-
-
-@pytest.fixture(scope="module")
-def warm_start():
-    spec = importlib.util.spec_from_file_location("warm_start", ROOT / "tools" / "warm_start.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["warm_start"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_shipped_config_is_the_normal_multi_turn_path():

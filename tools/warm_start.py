@@ -1,7 +1,8 @@
 """Warm start of a demo: a tiny random Qwen2 fine-tuned (SFT) on the config's task, cached.
 
     python tools/warm_start.py --config configs/demo.yaml        # what `make demo` runs
-    python tools/warm_start.py --config configs/demo_tools.yaml --steps 300   # `make demo-tools`
+    python tools/warm_start.py --config configs/demo_tools.yaml --steps 240 --batch-size 32
+                                                     # what `make demo-tools` runs
 
 Reads the task (data.*) and the output folder (model.path) from the training config, so the
 warm start and the GRPO run always agree on the task. Then:
