@@ -253,37 +253,6 @@ def _layer_out(p, cfg, x_btd, attn_btnh):
 # ----------------------------------------------------------------------------- the module
 
 
-@jax.custom_vjp
-def _from_bits(bits, like):
-    """`like` (a 16-bit float layer slice) rebuilt from `bits`, its integer view; the gradient
-    flows to `like`. See `Transformer._hidden`: XLA:CPU slices a float16/bfloat16 array in
-    float32, so a scan over stacked bfloat16 weights converted each whole stack to float32
-    once, hoisted out of the layer loop (a float32 copy of every bfloat16 parameter tree per
-    step); an integer view is sliced as it is stored. CPU kernel path only (other backends
-    slice 16-bit floats natively)."""
-    return jax.lax.bitcast_convert_type(bits, like.dtype)
-
-
-def _from_bits_fwd(bits, like):
-    return _from_bits(bits, like), bits.shape
-
-
-def _from_bits_bwd(shape, g):
-    return np.zeros(shape, jax.dtypes.float0), g
-
-
-_from_bits.defvjp(_from_bits_fwd, _from_bits_bwd)
-
-
-def _bits_of(stacked: dict) -> dict:
-    """The uint16 views of the 16-bit float arrays of `stacked` (for `_from_bits`)."""
-    return {
-        name: jax.lax.bitcast_convert_type(w, jnp.uint16)
-        for name, w in stacked.items()
-        if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
-    }
-
-
 def _param(rngs, shape, axes, dtype, scale):
     if scale is None:  # norm weights start at one
         value = jnp.ones(shape, dtype)
@@ -379,10 +348,11 @@ class Transformer(nnx.Module):
         return tuple(_fuse_layer_params(stacked, i, self.cfg) for i in range(self.cfg.num_layers))
 
     def _attention_inputs(
-        self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None
+        self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None, segments=None
     ):
         """-> (mask_bts: causal & key padding, RoPE tables) for a forward over t tokens; given
-        positions are < `positions_below` when it is known (see `rope_tables`)."""
+        positions are < `positions_below` when it is known (see `rope_tables`). `segments`
+        (packed rows, [b, t] int, 0 = padding): a query also attends only its own segment."""
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
             attention_mask_bt = jnp.ones((b, t), jnp.bool_)
@@ -392,24 +362,38 @@ class Transformer(nnx.Module):
             rope = rope_tables(self.cfg, positions_bt, num_positions=t)
         else:
             rope = rope_tables(self.cfg, positions_bt, num_positions=positions_below)
-        causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        return causal_ts[None] & mask_bt[:, None, :], rope
+        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & mask_bt[:, None, :]
+        if segments is not None:
+            mask_bts &= segments[:, :, None] == segments[:, None, :]
+        return mask_bts, rope
 
-    def _hidden(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True):
+    def _hidden(
+        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, packed=None
+    ):
         """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
+        `packed` = (positions_bt, segment_ids_bt) of packed rows (`token_logprobs`).
 
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
         the body in the stored dtype (16-bit stored weights enter the scan as their integer
-        views on the CPU path, `_from_bits`: no float32 copy of a stack). With `cfg.remat`
+        views on the CPU path, `kernels.from_bits`: no float32 copy of a stack). With `cfg.remat`
         the body is a `jax.checkpoint`: the backward keeps only each layer's input (full) or
         also its weight-matmul outputs (dots) and recomputes the rest."""
         cfg = self.cfg
-        mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+        if packed is None:
+            mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+        else:  # every position of a packed row is < its width
+            positions_bt, segments_bt = packed
+            mask_bts, rope = self._attention_inputs(
+                input_ids_bt, positions_bt, segments_bt > 0, input_ids_bt.shape[1], segments_bt
+            )
 
         def layer(x_btd, xs):
             p, bits = xs
-            p = {name: _from_bits(bits[name], w) if name in bits else w for name, w in p.items()}
+            p = {
+                name: _kernels.from_bits(bits[name], w) if name in bits else w
+                for name, w in p.items()
+            }
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
@@ -420,7 +404,7 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         stacked = self._layer_params(use_lora)
-        bits = _bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
+        bits = _kernels.bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
         x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), (stacked, bits))
         return x_btd
 
@@ -445,12 +429,16 @@ class Transformer(nnx.Module):
         *,
         use_lora=True,
         first_scored=1,
+        packed=None,
     ):
         """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
         temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
         without ever holding [b, t, v] logits. `first_scored` (static): columns before it
         are 0 and their logits are never computed (the trainer passes rollout.prompt_bucket:
         no generated token sits left of it, and a prompt's logprobs are never used).
+        `packed` = (positions_bt, segment_ids_bt, scored_bn) of packed rows (jgrpo.packing):
+        attention within segments, and the [b, n] logprobs of the tokens at columns scored_bn
+        only (0 where scored_bn is 0).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
         `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
@@ -462,16 +450,26 @@ class Transformer(nnx.Module):
         (no mesh, or one that does not split the vocab) the head is cast once, before the
         chunk loop."""
         cfg = self.cfg
-        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
+        segments = None if packed is None else packed[:2]
+        hidden_btd = self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, segments)
+        x_btd = self._final_norm(hidden_btd)
         b, t = input_ids_bt.shape
         first = min(max(int(first_scored), 1), t)
-        n = t - first  # scored columns first .. t-1, each from the position before it
+        if packed is None:  # scored columns first .. t-1, each from the position before it
+            n = t - first
+            targets_bn, x_bnd = input_ids_bt[:, first:], x_btd[:, first - 1 : t - 1]
+        else:
+            scored_bn = packed[2]
+            n = scored_bn.shape[1]
+            targets_bn = jnp.take_along_axis(input_ids_bt, scored_bn, axis=1)
+            before_bn = jnp.maximum(scored_bn - 1, 0)
+            x_bnd = jnp.take_along_axis(x_btd, before_bn[..., None], axis=1)
         if n == 0:
-            return jnp.zeros((b, t), jnp.float32)
+            return jnp.zeros((b, t if packed is None else 0), jnp.float32)
         c = min(cfg.logprob_chunk_size or n, n)
         k = -(-n // c)
-        targets_bn = jnp.pad(input_ids_bt[:, first:], ((0, 0), (0, k * c - n)))
-        x_bnd = jnp.pad(x_btd[:, first - 1 : t - 1], ((0, 0), (0, k * c - n), (0, 0)))
+        targets_bn = jnp.pad(targets_bn, ((0, 0), (0, k * c - n)))
+        x_bnd = jnp.pad(x_bnd, ((0, 0), (0, k * c - n), (0, 0)))
         x_kbcd = jnp.swapaxes(x_bnd.reshape(b, k, c, -1), 0, 1)
         targets_kbc = jnp.swapaxes(targets_bn.reshape(b, k, c), 0, 1)
         temperature = jnp.asarray(temperature, jnp.float32)
@@ -510,6 +508,8 @@ class Transformer(nnx.Module):
 
         lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
         lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
+        if packed is not None:
+            return jnp.where(packed[2] > 0, lp_bn, 0.0)
         return jnp.pad(lp_bn, ((0, 0), (first, 0)))
 
     def prefill(
