@@ -24,7 +24,14 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    for line in ("== GRPO step, tiny", "train / matmul limit", "prev logprob forward", "A tiny"):
+    for line in (
+        "== GRPO step, tiny",
+        "train / matmul limit",
+        "prev logprob forward",
+        "A tiny",
+        "== packed vs padded, tiny",
+        "train speedup",
+    ):
         assert line in out.stdout, out.stdout
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["machine"]["matmul_flops_per_s"] > 1e9
@@ -37,6 +44,9 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
         phases = variant["phases_s"]
         assert phases["train"] > 0 and phases["generation"] >= phases["  sample"] > 0
         assert 0 < variant["train_vs_matmul_limit"] < 2
+    skewed, uniform = report["packing"]["tiny"]["skewed"], report["packing"]["tiny"]["uniform"]
+    assert skewed["tokens_packed"] < skewed["tokens_padded"] == uniform["tokens_packed"]
+    assert skewed["train_packed_s"] > 0 and uniform["step_padded_s"] > uniform["sampler_s"]
     sampler = report["sampler"]["A tiny"]
     assert sampler["jgrpo_tokens_per_s"] > 0 and sampler["decode_vs_bandwidth_limit"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json

@@ -273,7 +273,7 @@ def test_schedule_values_by_hand():
 
 @pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.heavy), "full"])
 def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(remat):
-    """bfloat16 parameters reach the layer loop as their integer view (`_from_bits`): no
+    """bfloat16 parameters reach the layer loop as their integer view (`kernels.from_bits`): no
     float32 copy of a stacked weight in the compiled program, and the gradients are those of
     the same values held in float32 and cast to bfloat16 in the loop (float32 master weights,
     bfloat16 compute: the same forward), up to bfloat16 rounding of the gradient itself."""
