@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from jgrpo.models import Transformer, TransformerConfig, load_policy
 from jgrpo.models.tiny import tiny_model_fields
 from jgrpo.sampling import SamplingParams, generate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 64
 """Prompt tokens of every row (one prompt bucket)."""
@@ -235,14 +238,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--smollm2-microbatches", type=int, default=2)
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
+    import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
+
+    start_load = os.getloadavg()[0]
+    limits = bench.machine_limits(5)
     report = {}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]
         micro = args.smollm2_microbatches if shape == "smollm2" else 1
         report[shape] = bench_shape(shape, args.cap, args.rounds, prompts, micro)
+    print(
+        f"machine: {len(os.sched_getaffinity(0))} cores, float32 matmul "
+        f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, memory read "
+        f"{limits['memory_read_bytes_per_s'] / 1e9:.1f} GB/s; load average "
+        f"{start_load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    )
     print_report(report)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        meta = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **limits}
+        Path(args.out).write_text(json.dumps({"machine": meta, **report}, indent=2))
     return report
 
 
