@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROLLOUT_BATCH_BUCKET, TINY_MODEL_FIELDS, make_rollout_batch
+from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
+from test_step import BASE as STEP_BASE
 
 from jgrpo import packing, sharding, step, step_setup
 from jgrpo.batch import TrainBatch
@@ -23,14 +24,8 @@ from jgrpo.models.lora import MODULES, LoRASpec
 MODEL = TransformerConfig(**TINY_MODEL_FIELDS)
 WIDTH = 24
 """Row width of the step tests' batches: a 5-column prompt bucket and up to 19 new tokens."""
-BASE = [
-    "grpo.num_prompts_per_step=4",
-    "grpo.num_generations_per_prompt=4",
-    "optim.learning_rate=1e-3",
-    "rollout.temperature=0.9",
-    ROLLOUT_BATCH_BUCKET,
-    f"rollout.max_new_tokens={WIDTH - 5}",
-]
+BASE = [*STEP_BASE, f"rollout.max_new_tokens={WIDTH - 5}"]
+"""test_step's overrides (4 prompts x 4, completions from column 5), the cap of WIDTH."""
 
 
 # ----------------------------------------------------------------------------- the packer

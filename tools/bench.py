@@ -316,7 +316,7 @@ def bench_packing_section(sizes, args, rounds: int) -> dict:
     out = {}
     for size in sizes:
         prompts = bench_packing.SHAPES[size][1]
-        micro = 2 if size == "smollm2" else 1
+        micro = 4 if size == "smollm2" else 1
         out[size] = bench_packing.bench_shape(size, args.packing_cap, rounds, prompts, micro)
     return out
 

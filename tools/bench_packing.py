@@ -21,6 +21,7 @@ the same round. Medians; the train step's matmul flops of both layouts from thei
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -103,31 +104,38 @@ def rollout_batch(generation, lengths_b, group: int, seed: int) -> TrainBatch:
 
 
 class Trainer:
-    """One jitted step (packed or not) stepping its own state."""
+    """The padded and the packed jitted step stepping ONE train state (each step donates it
+    and hands it to the next call): one copy of the parameters and optimizer state."""
 
-    def __init__(self, cfg, model):
-        graphdef, state = nnx.split(model)  # its own copy: the step donates its state
+    def __init__(self, cfgs: dict, model):
+        graphdef, state = nnx.split(model)  # its own copy: the steps donate it
         own = nnx.merge(graphdef, jax.tree.map(lambda x: x.copy(), state))
-        self.built = step_setup.build_step(cfg, own, mesh=None)
-        self.state = self.built.state
+        self.built = {
+            name: step_setup.build_step(cfg, own, mesh=None) for name, cfg in cfgs.items()
+        }
+        self.state = next(iter(self.built.values())).state
+        self.built = {k: dataclasses.replace(b, state=None) for k, b in self.built.items()}
 
-    def __call__(self, host: TrainBatch) -> tuple[float, float]:
-        """(seconds, loss) of one step: host batch in (packed when configured), metrics out."""
-        b = self.built
+    def __call__(self, name: str, host: TrainBatch) -> float:
+        """Seconds of one step of `name`: host batch in (packed when configured), metrics out."""
+        b = self.built[name]
         start = time.perf_counter()
         batch = b.device_batch(host)
         self.state, metrics = b.step_fn(self.state, batch, b.hparams, b.ref_params, b.frozen)
-        loss = float(metrics["loss/total"])  # waits for the step
-        return time.perf_counter() - start, loss
+        float(metrics["loss/total"])  # waits for the step
+        return time.perf_counter() - start
 
 
 def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: int) -> dict:
     model = make_model(shape)
-    trainers = {
-        name: Trainer(step_config(shape, prompts, cap, packed, microbatches), model)
-        for name, packed in (("padded", False), ("packed", True))
-    }
-    cfg = trainers["packed"].built.cfg
+    trainer = Trainer(
+        {
+            name: step_config(shape, prompts, cap, packed, microbatches)
+            for name, packed in (("padded", False), ("packed", True))
+        },
+        model,
+    )
+    cfg = trainer.built["packed"].cfg
     rows = prompts * GENERATIONS
     params = SamplingParams(
         max_new_tokens=cap, temperature=1.0, prompt_bucket=PROMPT, ignore_eos=True
@@ -147,7 +155,7 @@ def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: i
             sampler_s = time.perf_counter() - start
             host = rollout_batch(generation, lengths_b, GENERATIONS, seed=r)
             order = ("padded", "packed") if r % 2 else ("packed", "padded")
-            times = {name: trainers[name](host)[0] for name in order}
+            times = {name: trainer(name, host) for name in order}
             if r == 0:
                 first = {"sampler": sampler_s, **times}
                 continue
@@ -159,7 +167,7 @@ def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: i
             name: statistics.median(s + t for s, t in zip(records["sampler"], records[name]))
             for name in ("padded", "packed")
         }
-        layout = trainers["packed"].built.device_batch(host).layout
+        layout = trainer.built["packed"].device_batch(host).layout
         packed_rows, width = layout.input_ids.shape
         head = packed_rows * chunk_padded(cap, model.cfg.logprob_chunk_size)
         flops_packed = analytic_flops(cfg, model.cfg, [width] * packed_rows, head)["step"]
@@ -235,7 +243,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cap", type=int, default=256, help="completion length cap (new tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
-    ap.add_argument("--smollm2-microbatches", type=int, default=2)
+    ap.add_argument("--smollm2-microbatches", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
