@@ -28,7 +28,7 @@ from flax import nnx
 
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
-from jgrpo.models.kernels import resolve_kernels
+from jgrpo.models.kernels import bits_of, from_bits, resolve_kernels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -368,32 +368,29 @@ class Transformer(nnx.Module):
         return mask_bts, rope
 
     def _hidden(
-        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, packed=None
+        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, segments=None
     ):
         """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
-        `packed` = (positions_bt, segment_ids_bt) of packed rows (`token_logprobs`).
+        `segments` = (positions_bt, segment_ids_bt) of packed rows (`token_logprobs`).
 
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
         the body in the stored dtype (16-bit stored weights enter the scan as their integer
-        views on the CPU path, `kernels.from_bits`: no float32 copy of a stack). With `cfg.remat`
+        views on the CPU path, `from_bits`: no float32 copy of a stack). With `cfg.remat`
         the body is a `jax.checkpoint`: the backward keeps only each layer's input (full) or
         also its weight-matmul outputs (dots) and recomputes the rest."""
         cfg = self.cfg
-        if packed is None:
+        if segments is None:
             mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
         else:  # every position of a packed row is < its width
-            positions_bt, segments_bt = packed
+            positions_bt, segments_bt = segments
             mask_bts, rope = self._attention_inputs(
                 input_ids_bt, positions_bt, segments_bt > 0, input_ids_bt.shape[1], segments_bt
             )
 
         def layer(x_btd, xs):
             p, bits = xs
-            p = {
-                name: _kernels.from_bits(bits[name], w) if name in bits else w
-                for name, w in p.items()
-            }
+            p = {name: from_bits(bits[name], w) if name in bits else w for name, w in p.items()}
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
@@ -404,7 +401,7 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         stacked = self._layer_params(use_lora)
-        bits = _kernels.bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
+        bits = bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
         x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), (stacked, bits))
         return x_btd
 
