@@ -205,15 +205,21 @@ def kv_cache_bytes(cfg: Config, model_cfg) -> int:
     return cfg.grpo.batch_size * slots * per_slot * model_cfg.jnp_dtype.itemsize
 
 
-def reward_model_bytes(cfg: Config, mesh) -> int:
+def reward_model_bytes(cfg: Config, mesh) -> dict[str, int]:
     """Bytes per device of every reward model's frozen parameters (data.reward_functions[i]
-    .model), placed as the trainer places them; a folder holding only config.json is enough."""
+    .model), placed as the run places them: on the trainer's mesh (this host's rows) under the
+    local backend, whole on each Ray rollout worker's device under ray (the trainer's then
+    hold none); a folder holding only config.json is enough."""
     from pathlib import Path
 
     from jgrpo import sharding
+    from jgrpo.config import MeshConfig
     from jgrpo.models.reward_model import abstract_params, reward_model_config
     from jgrpo.models.sources import resolve_model_path
 
+    on_workers = cfg.rollout.backend == "ray"
+    if on_workers:  # a worker's devices: assume one (the sampler's)
+        mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
     total, rules = 0, sharding.make_rules(cfg.mesh)
     for rf in cfg.data.reward_functions:
         if rf.model is None:
@@ -226,7 +232,10 @@ def reward_model_bytes(cfg: Config, mesh) -> int:
             dtype = cfg.model.resolved_compute_dtype(jax.default_backend())
         model_cfg = reward_model_config(folder, dtype, cfg.model.kernels)
         total += bytes_per_device(abstract_params(model_cfg, sharding.host_mesh(mesh), rules))
-    return total
+    return {
+        "reward_model_bytes_per_device": 0 if on_workers else total,
+        "reward_model_bytes_per_worker": total if on_workers else 0,
+    }
 
 
 def completion_lengths(spec: str, rows: int, cap: int, seed: int = 0) -> np.ndarray:
@@ -350,7 +359,7 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
         "kv_cache_bytes": kv,
         "kv_cache_bytes_per_device": kv // batch_devices,
         "flops_analytic": analytic_flops(cfg, model_cfg)["step"],
-        "reward_model_bytes_per_device": reward_model_bytes(cfg, built.mesh),
+        **reward_model_bytes(cfg, built.mesh),
     }
     if compile:
         args = built.abstract_args()

@@ -34,6 +34,7 @@ from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
+from jgrpo.models.reward_model import load_reward_models
 from jgrpo.models.sources import check_model_path
 from jgrpo.plots import plot_run
 from jgrpo.rollout import (
@@ -119,9 +120,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
     built = step_setup.build_step(cfg, model)
     state = built.state
-    if any(rf.model is not None for rf in cfg.data.reward_functions):
-        from jgrpo.models.reward_model import load_reward_models
-
+    if cfg.rollout.backend == "local":  # Ray workers load their own (rollout.build_engine)
         task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)

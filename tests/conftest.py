@@ -1,31 +1,47 @@
-"""Shared fixtures. Sets 8 fake CPU devices before jax is imported (the only place that does)."""
+"""Shared fixtures. Sets 8 fake CPU devices before jax is imported (the only place that does).
+
+The suite's wall time is mostly XLA:CPU compiling small programs, so two settings serve every
+test process and the subprocesses tests start (`xla_flags` builds their XLA_FLAGS):
+- `--xla_backend_optimization_level=0`: LLVM does not optimise the generated machine code. Every
+  HLO pass still runs (the same fusions, layouts and arithmetic), and the matmuls are Eigen's
+  either way; compiling takes about half the CPU time. Benchmarks, tools and runs outside the
+  tests compile at XLA's default.
+- one persistent compilation cache per test session, exported (JAX_COMPILATION_CACHE_DIR), so
+  the xdist workers and the `jgrpo` subprocesses they start share what any of them compiled."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+"""XLA flags of every test process besides the device count (see the module docstring)."""
+
+
+def xla_flags(devices=8) -> str:
+    """XLA_FLAGS for a process with `devices` fake CPU devices (None: jax's default, one)."""
+    count = () if devices is None else (f"--xla_force_host_platform_device_count={devices}",)
+    return " ".join((*TEST_XLA_FLAGS, *count))
+
+
+# an xdist worker inherits the controller's environment: set each flag once
+_inherited = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(
+    [*_inherited, *(f for f in xla_flags(8).split() if f not in _inherited)]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    # One persistent XLA compilation cache for this test process (not exported: subprocesses,
-    # pods and Ray workers compile on their own). The suite compiles the same tiny programs in
-    # many runs (each train.run jits its own step and sampler); a hit skips XLA's compile, not
-    # the trace, so compile counts stay. Measured: three tiny runs 64.8 -> 36.9 CPU s.
-    import jax  # noqa: E402
-
+    # the session's cache, made by the first process that loads this file (the xdist controller):
+    # a hit skips XLA's compile, not the trace, so compile counts stay
     _XLA_CACHE = tempfile.mkdtemp(prefix="jgrpo-tests-xla-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from jgrpo.models.tiny import tiny_model_fields  # noqa: E402
 
@@ -99,6 +115,61 @@ def make_random_hf_model(hf_config, seed=0):
             else:
                 p.normal_(0.0, 0.15)
     return model
+
+
+REWARD_MODEL_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
+)
+"""The chat template of `build_reward_model`'s tokenizer."""
+
+
+def build_reward_model(out, family="qwen2", *, pad=True, num_labels=1, seed=0, max_pos=256):
+    """A random tiny transformers *ForSequenceClassification folder (llama, qwen2 or qwen3)
+    with the char tokenizer (260 ids) and a chat template; `pad=False`: the tokenizer has no
+    pad token (eos pads)."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
+    }[family]
+    cfg = config_cls(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_pos,
+        num_labels=num_labels,
+        initializer_range=0.3,  # O(1) scores: a 1e-4 parity check means something
+        rms_norm_eps=1e-6,
+        pad_token_id=0 if pad else None,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases (init: ones and zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    save_char_tokenizer(out)
+    tok_cfg = json.loads((Path(out) / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = REWARD_MODEL_TEMPLATE
+    if not pad:
+        del tok_cfg["pad_token"]
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return Path(out)
 
 
 @pytest.fixture(scope="session")

@@ -11,19 +11,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.heavy
-def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user
+def run_tool(*argv) -> subprocess.CompletedProcess:
+    """`python tools/...` as a user runs it (one CPU device), checked for exit code 0."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run(
-        [sys.executable, "tools/bench.py", "--smoke", "--no-compile", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.heavy
+def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
+    out = run_tool("tools/bench.py", "--smoke", "--no-compile", "--out", str(tmp_path))
     for line in (
         "== GRPO step, tiny",
         "train / matmul limit",
@@ -50,3 +51,17 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
     sampler = report["sampler"]["A tiny"]
     assert sampler["jgrpo_tokens_per_s"] > 0 and sampler["decode_vs_bandwidth_limit"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json
+
+
+@pytest.mark.heavy  # the tool's pieces run in make test: test_reward_model and test_ray
+def test_reward_model_bench_smoke_prints_each_variant(tmp_path):
+    args = ["--variants", "local", "--steps", "1", "--rounds", "1", "--rm-width", "64"]
+    out = run_tool("tools/bench_reward_model.py", *args, "--rm-layers", "1")
+    rows = {
+        line.split()[0] + (" RM" if "+ RM" in line else ""): line.split()[-5:]
+        for line in out.stdout.splitlines()
+        if line.startswith("local")
+    }
+    assert set(rows) == {"local", "local RM"}, out.stdout
+    assert float(rows["local"][-1]) == 0.0 < float(rows["local RM"][-1])  # reward model ms
+    assert all(float(v) > 0 for v in rows["local RM"])

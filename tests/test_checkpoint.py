@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import xla_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -223,7 +224,7 @@ def test_killed_save_is_ignored(tmp_path, kill_at):
     directory = tmp_path / "ckpt"
     script = tmp_path / "killed_save.py"
     script.write_text(textwrap.dedent(_KILLED_SAVE))
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
     proc = subprocess.run(
         [sys.executable, str(script), str(directory), kill_at],
         cwd=REPO,

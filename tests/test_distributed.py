@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import xla_flags
 from flax import nnx
 
 from jgrpo import distributed
@@ -209,10 +210,12 @@ def jax_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("jax_cache")
 
 
-def _launch(tmp_path, run_dir, num_processes, *extra, cache=None) -> list[subprocess.Popen]:
+def _launch(
+    tmp_path, run_dir, num_processes, *extra, cache=None, overrides=OVERRIDES
+) -> list[subprocess.Popen]:
     """`jgrpo train` on `num_processes` processes x (8 / num_processes) fake CPU devices."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    env["XLA_FLAGS"] = xla_flags(8 // num_processes)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(tmp_path)])
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache or tmp_path / "jax_cache")
@@ -227,13 +230,19 @@ def _launch(tmp_path, run_dir, num_processes, *extra, cache=None) -> list[subpro
     for i in range(num_processes):
         ident = ["--process-id", str(i)] if num_processes > 1 else []
         log = open(tmp_path / f"{Path(run_dir).name}.{i}.log", "w")
-        cmd = [*base, *pod, *ident, *extra, *OVERRIDES]
+        cmd = [*base, *pod, *ident, *extra, *overrides]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
 def _wait(procs, timeout=600) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+    """The exit codes; a process still running when waiting fails (a timeout) is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _log(tmp_path, run_dir, i) -> str:
@@ -322,12 +331,7 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     pod = str(tmp_path / "pod")
     ray_args = ["rollout.backend=ray", f"rollout.ray_address={ray_cluster}"]
     procs = _launch(tmp_path, pod, 2, *ray_args, "rollout.num_workers=1", cache=jax_cache)
-    try:
-        codes = _wait(procs, timeout=900)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = _wait(procs, timeout=900)
     assert codes == [0, 0], _log(tmp_path, pod, 0)[-3000:] + _log(tmp_path, pod, 1)
     rows = read_metrics(pod)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one line per step across the pod
@@ -338,3 +342,32 @@ def test_two_process_pod_with_ray_rollout_matches_one_process(
     for r in rows:
         assert (total - biggest) / 2 <= r["rollout/weight_mb"] * 2**20 <= (total + biggest) / 2
         assert r["rollout/staleness_max"] == 0.0 and r["rollout/worker_failures"] == 0.0
+
+
+@pytest.mark.heavy  # make test: test_reward_model's 2x2x2-mesh scores and Ray-worker scoring
+def test_two_process_pod_with_a_reward_model_matches_one_process(tmp_path, jax_cache):
+    """A reward model on a pod (local backend): each process loads a replica on its own
+    devices (its host's rows of the mesh, data 2 x fsdp 2) and scores its own rows (a model on
+    the global mesh could not: each process feeds different texts); the run equals one
+    process on all 8 devices, which scores every row."""
+    from conftest import build_reward_model
+
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = (
+        f"data.reward_functions=[{{model: '{rm}', name: judge, batch_tokens: 256}}, "
+        "{function: 'pod_rewards:length', weight: 0.5}]"
+    )
+    overrides = [*(o for o in OVERRIDES if not o.startswith("data.reward_")), terms]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, cache=jax_cache, overrides=overrides)
+    procs += _launch(tmp_path, pod, 2, cache=jax_cache, overrides=overrides)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-2000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    for r, ref in zip(rows, reference):
+        assert ref["train/grad_norm"] > 0.1  # nonzero advantages: nothing trivially equal
+        for key in (*COMPARED, "reward/judge/mean", "reward/length/mean"):
+            assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)

@@ -3,11 +3,12 @@
 import json
 import math
 import os
-import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
-    # (every copy of the flag: an xdist worker inherits the parent's and conftest adds its own)
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags.split())}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
     proc = subprocess.run(
         ["bash", str(ROOT / "tools" / "gpu_check.sh"), "--tiny", "--out", str(out)],
         env=env,
@@ -69,3 +66,39 @@ def test_gpu_check_compares_memory_and_builds_recipe_batches():
     batch.check_scored_from(cfg.rollout.prompt_bucket)
     assert batch.token_mask[:, :256].sum() == 0 and batch.token_mask[:, 256:].all()
     assert (batch.input_ids < 151936).all() and (batch.input_ids > 0).all()
+
+
+def test_gpu_check_takes_the_t4_recipe_on_a_small_device():
+    """Under 40 GB (a 16 GB T4, Colab's) the check runs the T4 LoRA recipe and skips the bf16
+    shapes; 80 GB devices and devices that report no memory (CPU) run the 80 GB recipe."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    from jgrpo.config import load_config
+
+    assert gpu_check.small_device(16 * 10**9) and not gpu_check.small_device(80 * 10**9)
+    assert not gpu_check.small_device(None)
+    cfg = load_config(gpu_check.T4_RECIPE[0], ["model.path=unused"])
+    assert cfg.model.lora.rank == 16 and cfg.model.resolved_compute_dtype("gpu") == "float32"
+    assert gpu_check.T4_RECIPE[1] == gpu_check.RECIPE[1]  # the same Qwen2.5-0.5B
+
+
+@pytest.mark.heavy  # make test: test_gpu_check_takes_the_t4_recipe_on_a_small_device
+def test_gpu_check_runs_a_lora_recipe_step_on_cpu():
+    """check_recipe on the T4 recipe (LoRA: the frozen base joins the step) at its batch shape,
+    with the tiny model's config.json in place of Qwen2.5-0.5B's, on one CPU device."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'tools'); import gpu_check as g; "
+        "print(json.dumps(g.check_recipe(g.T4_RECIPE[0], g.TINY_RECIPE[1], steps=1)))"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(None)}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recipe = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert recipe["config"] == "configs/qwen25_0.5b_gsm8k_lora_t4.yaml"
+    assert (recipe["rows"], recipe["tokens"]) == (32, 512)
+    assert recipe["step_s"] > 0 and math.isfinite(recipe["loss"])
+    assert recipe["estimate_peak_bytes"] > recipe["estimate_temp_bytes"] > 0

@@ -4,7 +4,6 @@ float32, tiny model) on one device, on a 2 x 2 x 2 mesh and with LoRA, over the 
 loss and step tests sweep; the number of programs a run compiles."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -207,7 +206,7 @@ def step_math(overrides, packed, mesh_shape=(1, 1, 1), lora=False, seed=0):
     ref = None if lora else jax.tree.map(lambda x: x * 0.9, built.state.params)
     batch = built.device_batch(TrainBatch(**host_batch(seed)))
 
-    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    @jax.jit
     def grads_of(state, batch, ref, frozen):
         full = state._replace(params=step.with_frozen(state.params, frozen))
         ref = step.with_frozen(ref, frozen)
@@ -274,11 +273,6 @@ LOSS_OPTIONS = {
     ],
 }
 """The loss options of tests/test_losses.py and tests/test_step.py, as step overrides."""
-
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""XLA options of the tests' gradient programs (both sides of every comparison): LLVM's
-optimisation passes are most of a tiny program's compile time and change no semantics."""
 
 
 def test_packed_step_equals_the_unpacked_step():

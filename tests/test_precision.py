@@ -276,7 +276,9 @@ def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(r
     """bfloat16 parameters reach the layer loop as their integer view (`kernels.from_bits`): no
     float32 copy of a stacked weight in the compiled program, and the gradients are those of
     the same values held in float32 and cast to bfloat16 in the loop (float32 master weights,
-    bfloat16 compute: the same forward), up to bfloat16 rounding of the gradient itself."""
+    bfloat16 compute: the same forward), up to bfloat16 rounding of the gradient itself. With
+    remat, each layer's bfloat16 input (the residual the backward slices, for either parameter
+    dtype) is stacked as its uint16 view, never as a float32 stack."""
     batch = make_rollout_batch(1)
     ids, mask = jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])
     grads = {}
@@ -296,8 +298,11 @@ def test_pure_bfloat16_layer_stack_is_sliced_as_stored_and_keeps_its_gradients(r
 
         fn = jax.jit(jax.grad(loss))
         grads[param_dtype] = fn(params)
+        hlo = fn.lower(params).compile().as_text()
+        if remat != "none":  # every layer's input [l, b, t, d], as the backward reads it
+            stack = f"[{cfg.num_layers},{ids.shape[0]},{ids.shape[1]},{cfg.hidden_size}]"
+            assert f"u16{stack}" in hlo and f"f32{stack}" not in hlo
         if param_dtype == "bfloat16":  # no stacked layer weight converted whole to float32
-            hlo = fn.lower(params).compile().as_text()
             entry = hlo[hlo.index("\nENTRY") :]
             inputs = set(re.findall(r"%(\S*layers\S*) = bf16\[[\d,]*\]\S* parameter\(", entry))
             assert len(inputs) == len(params["layers"])

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import ray
+from conftest import build_reward_model
 from flax import nnx
 
 from jgrpo import sampling, sharding, train
@@ -120,6 +121,36 @@ def test_sync_matches_local_backend(folder, versions, local_results):
             backend.collect(5)
     finally:
         backend.close()
+
+
+def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, versions, tmp_path):
+    """A reward model under rollout.backend=ray: each worker loads it on its own device and
+    scores its own rows. The rows equal the local backend's (which scores on this process's
+    8 devices); the model's term agrees to float32 rounding (another device layout)."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge, weight: 2.0}}]"
+    cfg = make_cfg(folder, terms)
+    engine, graphdef = build_engine(cfg, folder)
+    local = make_backend(cfg, engine, graphdef, folder)
+    workers = RayRollout(ray_cfg(folder, terms), folder)
+    try:
+        results = []
+        for backend in (local, workers):  # one step, split over the two workers
+            backend.publish(versions[1], 1)
+            backend.request(1, examples_for(cfg, 1)[0])
+            results.append(backend.collect(1))
+        want, got = results
+        assert np.std(want.batch["reward_terms"][:, 0]) > 0.05  # the scores differ row to row
+        np.testing.assert_allclose(got.batch["reward_terms"], want.batch["reward_terms"], atol=1e-5)
+        np.testing.assert_allclose(got.batch["rewards"], want.batch["rewards"], atol=2e-5)
+        for key in ROW_KEYS:
+            if key != "rewards":
+                np.testing.assert_array_equal(got.batch[key], want.batch[key], err_msg=key)
+        judge = want.stats["reward/judge/mean"]
+        assert got.stats["reward/judge/mean"] == pytest.approx(judge, abs=1e-5)
+        assert got.stats["perf/reward_model_s"] > 0
+    finally:
+        workers.close()
 
 
 @pytest.mark.heavy  # in make test: test_sampling's shared-prefill tests (the same engine call)
@@ -391,3 +422,30 @@ def test_run_survives_sigkilled_workers(tmp_path, local_run, monkeypatch):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=2")
     assert_same_metrics(rows, local_run, split=True)  # every step trained once, none lost
     assert rows[-1]["rollout/worker_failures"] == 2.0
+
+
+@pytest.mark.heavy  # make test: test_workers_score_with_the_reward_model_as_the_local_backend_does
+def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
+    """Sync Ray with the reward model on the workers gives the local run's numbers (the model's
+    scores to float32 rounding: another device layout); async Ray trains with it too."""
+    rm = build_reward_model(tmp_path / "rm", "qwen2")
+    terms = f"data.reward_functions=[{{model: '{rm}', name: judge}}]"
+    want = run_tiny(tmp_path / "local", terms)
+    ray_args = ["rollout.backend=ray", "rollout.num_workers=2"]
+    got = run_tiny(tmp_path / "sync", terms, *ray_args)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    for g, w in zip(got, want):
+        for key, value in w.items():
+            if not is_timing(key) and isinstance(value, float):
+                assert g[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (w["step"], key)
+    assert all(r["train/grad_norm"] > 1e-4 for r in want[1:])  # the rewards differ in groups
+    rows = run_tiny(
+        tmp_path / "async",
+        terms,
+        *ray_args,
+        "rollout.max_staleness=1",
+        "loss.use_importance_sampling_correction=true",
+    )
+    for r in rows[1:]:
+        assert np.isfinite(r["loss"]) and np.isfinite(r["reward/judge/mean"])
+        assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0

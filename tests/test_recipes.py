@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 from test_inspect_step import QWEN25_1_5B
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def recipe_sizing(name: str, folder: Path) -> dict:
     hf_config, devices, _, _ = RECIPES[name]
     (folder / "config.json").write_text(json.dumps(hf_config))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     config = REPO / "configs" / name
     cmd = [sys.executable, "-m", "jgrpo.cli", "inspect-step", "--json", "--config", str(config)]
     out = subprocess.run(

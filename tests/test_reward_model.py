@@ -7,59 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import build_reward_model, xla_flags
 
 from jgrpo import cli, train
 from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
-from jgrpo.models.tiny import save_char_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
-TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
-CLASSES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForSequenceClassification),
-}
-
-
-def build_reward_model(out, family="qwen2", *, pad=True, num_labels=1, seed=0, max_pos=256):
-    """A random tiny *ForSequenceClassification folder with the char tokenizer (260 ids) and a
-    chat template; `pad=False`: the tokenizer has no pad token (eos pads)."""
-    config_cls, model_cls = CLASSES[family]
-    cfg = config_cls(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=max_pos,
-        num_labels=num_labels,
-        initializer_range=0.3,  # O(1) scores: a 1e-4 parity check means something
-        rms_norm_eps=1e-6,
-        pad_token_id=0 if pad else None,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # non-trivial norms and biases (init: ones and zeros)
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    save_char_tokenizer(out)
-    tok_cfg = json.loads((Path(out) / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = TEMPLATE
-    if not pad:
-        del tok_cfg["pad_token"]
-    (Path(out) / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    return Path(out)
 
 
 def hf_scores(folder, prompts, completions):
@@ -166,6 +124,48 @@ def test_scores_on_a_2x2x2_mesh_equal_one_device(tmp_path):
     )
 
 
+def test_the_forwards_run_while_the_verifier_and_functions_do(tmp_path, monkeypatch):
+    """Task.score starts the reward models' forwards first, runs the reward functions (the
+    child process) meanwhile and collects the scores last: device and host work overlap."""
+    import time
+
+    from jgrpo.tasks import make_task
+
+    stamp = tmp_path / "called"
+    (tmp_path / "stamp_reward.py").write_text(
+        "import time\n"
+        "def stamp(prompts, completions, **columns):\n"
+        f"    open({str(stamp)!r}, 'w').write(repr(time.time()))\n"
+        "    return [0.5] * len(prompts)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    events = {}
+
+    class Pending:
+        def result(self):
+            events["result"] = time.time()
+            return np.arange(4.0)
+
+    class Model:
+        def dispatch(self, prompts, completions):
+            events["dispatch"] = time.time()
+            return Pending()
+
+    terms = f"data.reward_functions=[{{function: 'stamp_reward:stamp'}}, {{model: '{tmp_path}'}}]"
+    data = load_config(TINY, [terms]).data
+    task = make_task(data, 0, load_data=False)
+    task.attach_reward_models({1: Model()})
+    examples = make_task(load_config(TINY, []).data, 0).val[:4]
+    try:
+        rewards, info = task.score(["1+1="] * 4, ["2", "3", "x", ""], examples)
+    finally:
+        task.close()
+    assert events["dispatch"] < float(stamp.read_text()) < events["result"]
+    np.testing.assert_array_equal(info["reward_terms"][:, 1], np.arange(4.0))
+    want = info["correct"] + 0.5 + np.arange(4.0)  # verifier + function + model, weights 1
+    np.testing.assert_allclose(rewards, want)
+
+
 def _run_overrides(rm_folder, tmp_path, monkeypatch):
     (tmp_path / "brevity_reward.py").write_text(
         "def short(prompts, completions, **columns):\n"
@@ -207,18 +207,42 @@ def test_training_with_a_reward_model_and_a_function(tmp_path, monkeypatch):
     assert strip(read_metrics(part)) == strip(rows)
 
 
-@pytest.mark.heavy  # in make test: scores on a 2x2x2 mesh equal one device
-def test_training_on_a_2x2x2_mesh_matches_data_parallel(tmp_path, monkeypatch):
+@pytest.mark.heavy  # in make test: test_scores_on_a_2x2x2_mesh_equal_one_device
+def test_training_on_a_2x2x2_mesh_matches_one_device(tmp_path, monkeypatch):
+    """Two steps with a reward model and a function reward: on one device (a `jgrpo train`
+    subprocess that sees one CPU device) and on a 2x2x2 mesh (this process's 8)."""
+    import os
+    import subprocess
+    import sys
+
     folder = build_reward_model(tmp_path / "rm", "qwen2")
-    overrides = [*_run_overrides(folder, tmp_path, monkeypatch), "grpo.max_num_steps=1"]
-    train.run(load_config(TINY, [*overrides, "mesh.data=8"]), tmp_path / "dp")
+    overrides = _run_overrides(folder, tmp_path, monkeypatch)
+    root = Path(TINY).parents[1]
+    env = os.environ | {
+        "XLA_FLAGS": xla_flags(1),
+        "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)]),
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+    }
+    one = subprocess.Popen(
+        [sys.executable, "-m", "jgrpo.cli", "train", "--config", TINY, "--run-dir"]
+        + [str(tmp_path / "one"), *overrides, "mesh.data=1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
     train.run(load_config(TINY, [*overrides, *mesh]), tmp_path / "mesh")
-    (dp,), (m,) = read_metrics(tmp_path / "dp"), read_metrics(tmp_path / "mesh")
-    assert m["reward/judge/mean"] == pytest.approx(dp["reward/judge/mean"], abs=1e-5)
-    assert m["reward/mean"] == pytest.approx(dp["reward/mean"], abs=1e-5)
-    assert m["loss"] == pytest.approx(dp["loss"], rel=1e-4, abs=1e-6)
-    assert m["train/grad_norm"] == pytest.approx(dp["train/grad_norm"], rel=1e-4)
+    out, _ = one.communicate(timeout=900)
+    assert one.returncode == 0, out[-3000:]
+    rows, want = read_metrics(tmp_path / "mesh"), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in rows] == [r["step"] for r in want] == [1, 2]
+    for m, w in zip(rows, want):
+        assert w["train/grad_norm"] > 1e-3  # nonzero advantages: not trivially equal
+        for key in ("reward/judge/mean", "reward/short/mean", "reward/mean", "advantage/std"):
+            assert m[key] == pytest.approx(w[key], abs=1e-5), key
+        assert m["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-6)
+        assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4)
 
 
 def test_inspect_step_counts_the_reward_model(tmp_path):
@@ -226,12 +250,17 @@ def test_inspect_step_counts_the_reward_model(tmp_path):
 
     folder = build_reward_model(tmp_path / "rm", "qwen3")
     base = load_config(TINY, [])
-    cfg = load_config(TINY, [f"data.reward_functions=[{{model: '{folder}'}}]"])
+    cfg_overrides = [f"data.reward_functions=[{{model: '{folder}'}}]"]
+    cfg = load_config(TINY, cfg_overrides)
     got = inspect_step(cfg, compile=False)["reward_model_bytes_per_device"]
     assert inspect_step(base, compile=False)["reward_model_bytes_per_device"] == 0
     # tied decoder (no LM head) + score [d], float32, replicated over the data axis
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder))
     assert got == 4 * sum(p.numel() for p in hf.parameters())
+    # rollout.backend=ray: the whole model on each worker's device, none on the trainer's
+    ray = inspect_step(load_config(TINY, [*cfg_overrides, "rollout.backend=ray"]), compile=False)
+    assert ray["reward_model_bytes_per_device"] == 0
+    assert ray["reward_model_bytes_per_worker"] == got
 
 
 def _bad(tmp_path, capsys, overrides):
@@ -269,11 +298,9 @@ def test_bad_reward_models_exit_2_with_one_line(tmp_path, capsys):
     ok = build_reward_model(tmp_path / "ok", "qwen3", max_pos=64)
     err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}', max_length: 128}}]"])
     assert f"{rf}[0].max_length" in err and "max_position_embeddings 64" in err
-    # neither or both of function / model; a model with the Ray backend
+    # neither or both of function / model
     err = _bad(tmp_path, capsys, [f"{rf}=[{{weight: 1.0}}]"])
     assert "exactly one of function" in err
-    err = _bad(tmp_path, capsys, [f"{rf}=[{{model: '{ok}'}}]", "rollout.backend=ray"])
-    assert "trainer process" in err
 
 
 def test_python_api_takes_a_model_path_among_reward_funcs(tmp_path):

@@ -14,7 +14,9 @@ CPU); and `logprob/token_mult_prob_error` of the trainer's bf16 logprobs against
 on the sampled batch (1.0 = identical). First, `recipe`: configs/qwen25_0.5b_gsm8k.yaml's
 train step (tiny: configs/tiny.yaml's) on a random model of its shape and a random batch of
 its B x T for a few steps: step time, MFU, the device's peak memory against inspect-step's
-`peak_bytes_per_device_estimate` of the same step (`memory_vs_estimate`, null on CPU).
+`peak_bytes_per_device_estimate` of the same step (`memory_vs_estimate`, null on CPU). On a
+device with less than `SMALL_DEVICE_BYTES` of memory (a T4, e.g. Colab's) the recipe is
+configs/qwen25_0.5b_gsm8k_lora_t4.yaml and the bf16 shapes, sized for an 80G device, are skipped.
 """
 
 from __future__ import annotations
@@ -71,21 +73,23 @@ SHAPES = {
 TINY_SHAPE = TransformerConfig(**{**tiny_model_fields(width=64, vocab_size=256), **QWEN})
 ROOT = Path(__file__).resolve().parents[1]
 HF_QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-06}
-RECIPE = (  # the recipe run first, and its model's config.json (Qwen2.5-0.5B's hyperparameters)
-    ROOT / "configs" / "qwen25_0.5b_gsm8k.yaml",
-    {
-        **HF_QWEN,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "vocab_size": 151936,
-    },
-)
+HF_QWEN25_0_5B = {  # Qwen2.5-0.5B's config.json hyperparameters
+    **HF_QWEN,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
+RECIPE = (ROOT / "configs" / "qwen25_0.5b_gsm8k.yaml", HF_QWEN25_0_5B)
+"""The recipe run first, and its model's config.json."""
+T4_RECIPE = (ROOT / "configs" / "qwen25_0.5b_gsm8k_lora_t4.yaml", HF_QWEN25_0_5B)
+"""The recipe of a device under SMALL_DEVICE_BYTES (the notebook's GPU path)."""
+SMALL_DEVICE_BYTES = 40 * 10**9
 TINY_RECIPE = (
     ROOT / "configs" / "tiny.yaml",
     {
@@ -112,6 +116,17 @@ def peak_of(device) -> tuple[str | None, float | None]:
         if name in kind:
             return name, peak
     return None, None
+
+
+def device_memory(device) -> int | None:
+    """The device's memory for JAX (`bytes_limit`); None where it reports none (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return None if not stats or "bytes_limit" not in stats else int(stats["bytes_limit"])
+
+
+def small_device(memory: int | None) -> bool:
+    """Too small for the 80G recipe and the bf16 shapes: the T4 recipe alone."""
+    return memory is not None and memory < SMALL_DEVICE_BYTES
 
 
 def peak_memory(device) -> int | None:
@@ -188,9 +203,10 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
     built = step_setup.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
     batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
     state, times = built.state, []
+    args = (built.hparams, built.ref_params, built.frozen)  # frozen: a LoRA recipe's base
     for _ in range(steps + 1):  # the first call compiles
         start = time.perf_counter()
-        state, metrics = built.step_fn(state, batch, built.hparams, built.ref_params)
+        state, metrics = built.step_fn(state, batch, *args)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     median = statistics.median(times[1:])
@@ -286,18 +302,24 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     device = jax.devices()[0]
     peak_name, peak = peak_of(device)
+    small = small_device(device_memory(device)) and not args.tiny
     shapes = {"tiny": TINY_SHAPE} if args.tiny else SHAPES
     sizes = TINY_SIZES if args.tiny else SIZES
+    recipe = TINY_RECIPE if args.tiny else (T4_RECIPE if small else RECIPE)
     report = {
         "device": getattr(device, "device_kind", str(device)),
         "platform": device.platform,
+        "device_memory_bytes": device_memory(device),
         "peak_bf16_flops": peak,
         "peak_name": None if peak is None else f"{peak_name} dense bf16 {peak / 1e12:.0f} TFLOP/s",
         "shapes": {},
     }
     start = time.perf_counter()
-    report["recipe"] = check_recipe(*(TINY_RECIPE if args.tiny else RECIPE))
+    report["recipe"] = check_recipe(*recipe)
     for name, model_cfg in shapes.items():
+        if small:
+            report["shapes"][name] = {"skipped": "sized for an 80G device"}
+            continue
         report["shapes"][name] = check_shape(name, model_cfg, sizes)
     report["total_s"] = time.perf_counter() - start
     text = json.dumps(report, indent=2)

@@ -165,7 +165,7 @@ def check_data(data: DataConfig) -> None:
 
 def check_reward_models(cfg: Config) -> None:
     """data.reward_functions: each term is a function or a model; a model's own fields are in
-    range, and reward models run in the trainer process (the local rollout backend)."""
+    range."""
     for i, rf in enumerate(cfg.data.reward_functions):
         key = f"data.reward_functions[{i}]"
         _require(
@@ -183,11 +183,6 @@ def check_reward_models(cfg: Config) -> None:
                 f"{key}.max_length: {rf.max_length} exceeds batch_tokens {rf.batch_tokens} "
                 "(one text must fit one forward)",
             )
-        _require(
-            cfg.rollout.backend == "local",
-            f"{key}.model: reward models run in the trainer process; rollout.backend must be "
-            f"local, got {cfg.rollout.backend!r}",
-        )
 
 
 def check_logging(logging: LoggingConfig) -> None:

@@ -328,18 +328,20 @@ def from_pretrained(
     dtype, `param_dtype` the storage dtype (None = `dtype`), `options` as `config_from_hf`."""
     folder = Path(path)
     cfg = read_hf_config(folder, dtype=dtype, param_dtype=param_dtype, **options)
+    return model_from_tensors(cfg, read_hf_weights(folder), folder)
+
+
+def model_from_tensors(cfg: TransformerConfig, tensors: dict, folder) -> Transformer:
+    """A Transformer of `cfg` holding the HF-named `tensors` read from `folder` (no random
+    init: the abstract model's parameters become zeros, then the tensors overwrite them).
+    Tensors the decoder does not hold (a reward model's `score.weight`) are left unread."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    _materialize(model)
-    load_weights(model, read_hf_weights(folder), folder)
-    return model
-
-
-def _materialize(model: Transformer) -> None:
-    """Replace the abstract parameters of an eval_shape'd model with zeros (no random init)."""
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             abstract = var.get_raw_value()
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
+    load_weights(model, tensors, folder)
+    return model
 
 
 MAX_SHARD_BYTES = 5 * 2**30

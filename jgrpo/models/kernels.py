@@ -3,11 +3,11 @@
 The switch is `TransformerConfig.kernels`: "auto" (default) | "cpu" | "portable", resolved by
 `resolve_kernels` at trace time ("auto" -> "cpu" when `jax.default_backend()` is "cpu", else
 "portable"). Every kernel below takes the resolved path; nothing else in jgrpo branches on the
-platform. The pieces: attention, 16-bit weight slices, the KV cache layout, RoPE cos/sin,
-argmax and Gumbel noise. "cpu" is tuned for XLA:CPU (einsum attention over [b,k,t,g,s] scores,
-keys [b,k,h,s] / values [b,k,s,h], integer views of 16-bit weights, trace-time RoPE tables,
-max + min-index argmax, threefry written out); "portable" is the idiomatic GPU/TPU code
-(jax.nn.dot_product_attention, a [b,s,k,h] cache, run-time RoPE, jnp.argmax, gumbel).
+platform. The pieces: attention (forward, prefill, decode), the KV cache layout, RoPE cos/sin,
+argmax, Gumbel noise, uint16 views of 16-bit stacks. "cpu" is tuned for XLA:CPU (einsum
+attention over [b,k,t,g,s] scores, keys [b,k,h,s] / values [b,k,s,h], trace-time RoPE tables,
+max + min-index argmax, threefry written out, `from_bits`); "portable" is the idiomatic GPU/TPU
+code (jax.nn.dot_product_attention, a [b,s,k,h] cache, run-time RoPE, jnp.argmax, random.gumbel).
 
 Contract: both paths compute the same math and differ in float rounding only; the Gumbel noise
 is bit-identical and both argmaxes return the first index of the maximum, so a key draws the
@@ -106,40 +106,6 @@ def _dpa_implementation(q_btnh, k_bskh, causal: bool) -> Literal["cudnn", "xla"]
     return "cudnn" if eligible and _on_cuda() else "xla"
 
 
-# ----------------------------------------------------------------------------- 16-bit weights
-
-
-@jax.custom_vjp
-def from_bits(bits, like):
-    """`like` (a 16-bit float layer slice) rebuilt from `bits`, its integer view; the gradient
-    flows to `like` (`Transformer._hidden`'s layer scan). XLA:CPU slices a float16/bfloat16
-    array in float32, so a scan over stacked bfloat16 weights converted each whole stack to
-    float32 once, hoisted out of the layer loop (a float32 copy of every bfloat16 parameter
-    tree per step); an integer view is sliced as it is stored. CPU kernel path only (other
-    backends slice 16-bit floats natively)."""
-    return jax.lax.bitcast_convert_type(bits, like.dtype)
-
-
-def _from_bits_fwd(bits, like):
-    return from_bits(bits, like), bits.shape
-
-
-def _from_bits_bwd(shape, g):
-    return np.zeros(shape, jax.dtypes.float0), g
-
-
-from_bits.defvjp(_from_bits_fwd, _from_bits_bwd)
-
-
-def bits_of(stacked: dict) -> dict:
-    """The uint16 views of the 16-bit float arrays of `stacked` (for `from_bits`)."""
-    return {
-        name: jax.lax.bitcast_convert_type(w, jnp.uint16)
-        for name, w in stacked.items()
-        if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
-    }
-
-
 # ----------------------------------------------------------------------------- KV cache
 
 
@@ -224,6 +190,41 @@ def rope_cos_sin(inv_freq_h2: np.ndarray, positions_bt, num_positions, path: Ker
 
 
 # ----------------------------------------------------------------------------- sampling
+
+
+@jax.custom_vjp
+def from_bits(bits, like):
+    """`like` (a 16-bit float array) rebuilt from `bits`, its uint16 view (`uint16_views`); the
+    gradient flows to `like`. XLA:CPU slices a bfloat16 array in float32, so a scan over a
+    bfloat16 stack works on a float32 copy of the whole stack, made before the loop: of the
+    stacked bfloat16 weights (a float32 copy of the parameters per step), and of the remat
+    residual (each layer's bfloat16 input, stacked by the forward scan and sliced by the
+    backward). An integer view is sliced and stacked as it is stored. The "cpu" path only
+    (other backends slice 16-bit floats natively); the values are the same bits."""
+    return jax.lax.bitcast_convert_type(bits, like.dtype)
+
+
+def _from_bits_fwd(bits, like):
+    return from_bits(bits, like), bits.shape
+
+
+def _from_bits_bwd(shape, g):
+    return np.zeros(shape, jax.dtypes.float0), g
+
+
+from_bits.defvjp(_from_bits_fwd, _from_bits_bwd)
+
+
+def uint16_views(tree: dict, path: KernelPath) -> dict:
+    """On the "cpu" path, the uint16 views of the 16-bit float arrays of `tree` by name (for
+    `from_bits`); {} on "portable"."""
+    if path != "cpu":
+        return {}
+    return {
+        name: jax.lax.bitcast_convert_type(w, jnp.uint16)
+        for name, w in tree.items()
+        if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating)
+    }
 
 
 def argmax(x_bv, path: KernelPath):

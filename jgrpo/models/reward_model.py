@@ -11,12 +11,12 @@ Owns `RewardModel` (load, the text it reads, the batched forward) and `load_rewa
 - batches: texts sorted by length, padded to a length bucket (16 x 2^k, capped at max_length)
   and a row count (batch shards x 2^k) with rows x length <= batch_tokens: few shapes, few
   compiles; a text's score does not depend on its batch (its own row, padding masked).
-- placement: frozen parameters in `dtype`, sharded by `jgrpo.sharding`'s rules over the given
-  mesh (rows over data x fsdp), one jitted forward; it runs in the trainer process.
-"""
+- placement: frozen, in `dtype`, sharded by `jgrpo.sharding`'s rules over the given mesh (rows
+  over data x fsdp); `dispatch` starts every batch's jitted forward and returns at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -31,7 +31,7 @@ from flax import nnx
 
 from jgrpo import sharding
 from jgrpo.config import MeshConfig
-from jgrpo.models.hf import _materialize, config_from_hf, load_weights, read_hf_weights
+from jgrpo.models.hf import config_from_hf, model_from_tensors, read_hf_weights
 from jgrpo.models.transformer import Transformer, TransformerConfig
 
 MIN_BUCKET = 16
@@ -76,6 +76,22 @@ def _forward(graphdef, params, score_d, ids_bt, mask_bt, last_b):
     )
 
 
+@dataclasses.dataclass
+class PendingScores:
+    """Forwards started by `RewardModel.dispatch`: (row indices, float32[rows] on the device)
+    per batch; `result()` waits for them."""
+
+    num_rows: int
+    parts: list[tuple[list[int], jax.Array]]
+
+    def result(self) -> np.ndarray:
+        """float64[num_rows], in the order of the texts given to `dispatch`."""
+        scores = np.zeros(self.num_rows, np.float64)
+        for take, out in self.parts:
+            scores[take] = np.asarray(out, np.float64)[: len(take)]
+        return scores
+
+
 def _ceil_pow2(x: int) -> int:
     return 1 << max(int(x) - 1, 0).bit_length()
 
@@ -115,9 +131,7 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id)
         tensors = read_hf_weights(self.folder)
-        model = _abstract(self.model_cfg)
-        _materialize(model)
-        load_weights(model, tensors, self.folder)
+        model = model_from_tensors(self.model_cfg, tensors, self.folder)
         self.graphdef, state = nnx.split(model)
         p_shard, s_shard = param_shardings(self.model_cfg, self.mesh, rules)
         self.params = sharding.shard_params(nnx.to_pure_dict(state), p_shard)
@@ -171,9 +185,9 @@ class RewardModel:
             start += len(take)
         return out
 
-    def score_ids(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """float64[N] scores of token-id rows (already cut to max_length)."""
-        scores = np.zeros(len(ids), np.float64)
+    def dispatch_ids(self, ids: Sequence[Sequence[int]]) -> PendingScores:
+        """Start the forwards of token-id rows (already cut to max_length); returns at once."""
+        parts = []
         for take, rows, width in self.batches([len(x) for x in ids]):
             ids_bt = np.full((rows, width), self.pad_id, np.int32)
             mask_bt = np.zeros((rows, width), np.int32)
@@ -193,14 +207,23 @@ class RewardModel:
                 jax.device_put(mask_bt, self._batch),
                 jax.device_put(last_b, self._rows),
             )
-            scores[take] = np.asarray(jax.device_get(out), np.float64)[: len(take)]
-        return scores
+            parts.append((take, out))  # not waited for: the next batch is built meanwhile
+        return PendingScores(len(ids), parts)
+
+    def score_ids(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """float64[N] scores of token-id rows (already cut to max_length)."""
+        return self.dispatch_ids(ids).result()
+
+    def dispatch(self, prompts, completions) -> PendingScores:
+        """Re-tokenise and start the forwards of (prompt, completion) pairs; returns before the
+        device is done (`PendingScores.result` waits)."""
+        if len(prompts) == 0:
+            return PendingScores(0, [])
+        return self.dispatch_ids(self.encode(prompts, completions))
 
     def score(self, prompts, completions) -> np.ndarray:
         """float64[N]: the reward model's score of each (prompt, completion)."""
-        if len(prompts) == 0:
-            return np.zeros(0, np.float64)
-        return self.score_ids(self.encode(prompts, completions))
+        return self.dispatch(prompts, completions).result()
 
     def bytes_per_device(self) -> int:
         """Bytes of the reward model's parameters on the most loaded device."""
@@ -210,13 +233,17 @@ class RewardModel:
         )
 
 
-def load_reward_models(cfg, mesh) -> dict[int, RewardModel]:
-    """{index in data.reward_functions: RewardModel} of a run config's reward models, on
-    `mesh` (the trainer's: this process's rows of it, `sharding.host_mesh`)."""
+def load_reward_models(cfg, mesh=None) -> dict[int, RewardModel]:
+    """{index in data.reward_functions: RewardModel} of a run config's reward models ({} if
+    none), on `mesh`: the trainer's (this process's rows of it, `sharding.host_mesh`: a pod
+    host's own replica), or None: this process's devices, rows split over them (a Ray
+    rollout worker's)."""
     from jgrpo.models.sources import resolve_model_path
 
     platform = jax.default_backend()
     rules = sharding.make_rules(cfg.mesh)
+    if mesh is None:
+        mesh = sharding.make_mesh(MeshConfig(data=-1), jax.local_devices())
     local = sharding.host_mesh(mesh)
     out = {}
     for i, rf in enumerate(cfg.data.reward_functions):

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
-from jgrpo.models.kernels import bits_of, from_bits, resolve_kernels
+from jgrpo.models.kernels import resolve_kernels
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -350,9 +350,8 @@ class Transformer(nnx.Module):
     def _attention_inputs(
         self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None, segments=None
     ):
-        """-> (mask_bts: causal & key padding, RoPE tables) for a forward over t tokens; given
-        positions are < `positions_below` when it is known (see `rope_tables`). `segments`
-        (packed rows, [b, t] int, 0 = padding): a query also attends only its own segment."""
+        """-> (mask_bts: causal & key padding & one segment of `segments` [b, t] (packed rows),
+        RoPE tables) for t tokens; positions are < `positions_below` if known (`rope_tables`)."""
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
             attention_mask_bt = jnp.ones((b, t), jnp.bool_)
@@ -376,9 +375,11 @@ class Transformer(nnx.Module):
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
         the body in the stored dtype (16-bit stored weights enter the scan as their integer
-        views on the CPU path, `from_bits`: no float32 copy of a stack). With `cfg.remat`
+        views on the CPU path, `kernels.from_bits`: no float32 copy of a stack). With `cfg.remat`
         the body is a `jax.checkpoint`: the backward keeps only each layer's input (full) or
-        also its weight-matmul outputs (dots) and recomputes the rest."""
+        also its weight-matmul outputs (dots) and recomputes the rest; on the CPU path a 16-bit
+        layer input enters the checkpoint as its integer view too, so the stack of inputs the
+        backward keeps is uint16, not float32."""
         cfg = self.cfg
         if segments is None:
             mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
@@ -388,9 +389,12 @@ class Transformer(nnx.Module):
                 input_ids_bt, positions_bt, segments_bt > 0, input_ids_bt.shape[1], segments_bt
             )
 
-        def layer(x_btd, xs):
+        def layer(x_in, xs):
+            x_bits, x_btd = x_in  # x_bits: x_btd's uint16 view (the remat residual) or None
+            if x_bits is not None:
+                x_btd = _kernels.from_bits(x_bits, x_btd)
             p, bits = xs
-            p = {name: from_bits(bits[name], w) if name in bits else w for name, w in p.items()}
+            p = {n: _kernels.from_bits(bits[n], w) if n in bits else w for n, w in p.items()}
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
@@ -401,8 +405,14 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         stacked = self._layer_params(use_lora)
-        bits = bits_of(stacked) if resolve_kernels(cfg.kernels) == "cpu" else {}
-        x_btd, _ = jax.lax.scan(layer, self._constrain(x_btd), (stacked, bits))
+        path = resolve_kernels(cfg.kernels)
+        bits = _kernels.uint16_views(stacked, path)
+
+        def body(x_btd, xs):
+            views = {} if cfg.remat == "none" else _kernels.uint16_views({"x": x_btd}, path)
+            return layer((views.get("x"), x_btd), xs)
+
+        x_btd, _ = jax.lax.scan(body, self._constrain(x_btd), (stacked, bits))
         return x_btd
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, use_lora=True):
@@ -447,20 +457,16 @@ class Transformer(nnx.Module):
         (no mesh, or one that does not split the vocab) the head is cast once, before the
         chunk loop."""
         cfg = self.cfg
-        segments = None if packed is None else packed[:2]
-        hidden_btd = self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, segments)
-        x_btd = self._final_norm(hidden_btd)
+        seg = None if packed is None else packed[:2]
+        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, seg))
         b, t = input_ids_bt.shape
         first = min(max(int(first_scored), 1), t)
         if packed is None:  # scored columns first .. t-1, each from the position before it
-            n = t - first
-            targets_bn, x_bnd = input_ids_bt[:, first:], x_btd[:, first - 1 : t - 1]
-        else:
-            scored_bn = packed[2]
-            n = scored_bn.shape[1]
+            n, targets_bn, x_bnd = t - first, input_ids_bt[:, first:], x_btd[:, first - 1 : t - 1]
+        else:  # the tokens of the scored slots, each from the position before it
+            n, scored_bn = packed[2].shape[1], packed[2]
             targets_bn = jnp.take_along_axis(input_ids_bt, scored_bn, axis=1)
-            before_bn = jnp.maximum(scored_bn - 1, 0)
-            x_bnd = jnp.take_along_axis(x_btd, before_bn[..., None], axis=1)
+            x_bnd = jnp.take_along_axis(x_btd, jnp.maximum(scored_bn - 1, 0)[..., None], axis=1)
         if n == 0:
             return jnp.zeros((b, t if packed is None else 0), jnp.float32)
         c = min(cfg.logprob_chunk_size or n, n)

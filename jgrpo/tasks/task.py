@@ -99,7 +99,7 @@ class Task:
         )
         self.reward_models: dict[int, Any] = {}
         """{index in data.reward_functions: jgrpo.models.reward_model.RewardModel}, attached
-        by the trainer (`attach_reward_models`): they run in the trainer process."""
+        by whoever scores (`attach_reward_models`): the trainer, or a Ray rollout worker."""
         self._train = self._val = None
         self._val_sets: dict[str, list[Example]] = {}
         if load_data:
@@ -329,7 +329,9 @@ class Task:
         num_reward_errors, num_reward_timeouts (samples whose call raised / ran out of time;
         they score 0 from that function), num_reward_none (None results), correct bool[N] (None
         without a verifier), custom_rewards float32[F, N] (unweighted; 0 where not OK),
-        reward_model_s (seconds in the reward models' forwards; they are always OK),
+        reward_model_s (seconds the reward models held the caller: re-tokenising and starting
+        their forwards, then waiting for what the verifier and the functions did not overlap;
+        a model's scores are always OK),
         reward_terms float32[N, F] (NaN where not OK), sample_mask bool[N] (False where no term
         gave a value).
         """
@@ -338,6 +340,28 @@ class Task:
             raise ValueError(
                 f"score: {len(prompts)} prompts, {n} completions, {len(examples)} examples"
             )
+        if hasattr(self.kind, "reward_inputs"):
+            pairs = [
+                self.kind.reward_inputs(e, p, c) for e, p, c in zip(examples, prompts, completions)
+            ]
+            r_prompts, r_completions = [p for p, _ in pairs], [c for _, c in pairs]
+            records = [self.kind.reward_record(e) for e in examples]
+        else:
+            r_prompts, r_completions, records = list(prompts), list(completions), list(examples)
+        # the reward models' forwards first: they run on the device while the verifier and
+        # the reward functions (a child process) run on the host
+        start = time.perf_counter()
+        pending = {}
+        for f, rf in enumerate(self.cfg.reward_functions):
+            if rf.model is None:
+                continue
+            if f not in self.reward_models:
+                raise RuntimeError(
+                    f"data.reward_functions[{f}].model {rf.model!r} is not loaded in this "
+                    "process (attach it: Task.attach_reward_models)"
+                )
+            pending[f] = self.reward_models[f].dispatch(r_prompts, r_completions)
+        model_s = time.perf_counter() - start
         num_errors = 0
         correct = None
         rewards = np.zeros(n, np.float64)
@@ -349,31 +373,15 @@ class Task:
                 except Exception:  # noqa: BLE001 - a malformed example must not stop the run
                     num_errors += 1
             rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
-        if hasattr(self.kind, "reward_inputs"):
-            pairs = [
-                self.kind.reward_inputs(e, p, c) for e, p, c in zip(examples, prompts, completions)
-            ]
-            r_prompts, r_completions = [p for p, _ in pairs], [c for _, c in pairs]
-            records = [self.kind.reward_record(e) for e in examples]
-        else:
-            r_prompts, r_completions, records = list(prompts), list(completions), list(examples)
         num_terms = len(self.cfg.reward_functions)
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
         fn_values, fn_status = self._runner.run(r_prompts, r_completions, records, completion_ids)
         values[self._function_indices], status[self._function_indices] = fn_values, fn_status
-        model_s = 0.0
-        for f, rf in enumerate(self.cfg.reward_functions):
-            if rf.model is None:
-                continue
-            if f not in self.reward_models:
-                raise RuntimeError(
-                    f"data.reward_functions[{f}].model {rf.model!r} is not loaded in this "
-                    "process (the trainer attaches reward models: Task.attach_reward_models)"
-                )
-            start = time.perf_counter()
-            values[f] = self.reward_models[f].score(r_prompts, r_completions)
-            model_s += time.perf_counter() - start
+        start = time.perf_counter()
+        for f, scores in pending.items():
+            values[f] = scores.result()
+        model_s += time.perf_counter() - start
         ok = status == OK
         for f, rf in enumerate(self.cfg.reward_functions):
             rewards += rf.weight * np.where(ok[f], values[f], 0.0)
