@@ -376,3 +376,42 @@ def test_packed_step_compiles_once_per_bucket():
         built = dataclasses.replace(built, state=state)
         assert np.isfinite(float(metrics["loss/total"]))
     assert built.step_fn.top_level._cache_size() == 3
+
+
+@pytest.mark.heavy  # make test: test_packed_step_equals_the_unpacked_step
+def test_a_packed_run_logs_the_unpacked_runs_metrics(tmp_path, monkeypatch):
+    """Two steps of `jgrpo.train.run` on configs/tiny.yaml (sampler, rewards, the step in the
+    loop) with the rows packed up to three to a packed row (a 48-token budget) log the metrics
+    of the same run unpacked, step by step. A length reward makes the groups informative (the
+    untrained model solves nothing: the gradient would be 0)."""
+    from pathlib import Path
+
+    from jgrpo import train
+    from jgrpo.metrics import read_metrics
+
+    (tmp_path / "length_reward.py").write_text(
+        "def length(prompts, completions, **columns):\n"
+        "    return [float(len(c) % 3) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    tiny = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    quiet = [
+        "grpo.val_at_start=false",
+        "grpo.val_at_end=false",
+        "logging.tensorboard=false",
+        "data.task_reward_weight=0.0",
+        "data.reward_functions=[{function: 'length_reward:length'}]",
+    ]
+    rows = {}
+    for packed in (False, True):
+        extra = ["grpo.sequence_packing=true", "grpo.packing_budget=48"] if packed else []
+        cfg = load_config(tiny, [*quiet, "grpo.max_num_steps=2", *extra])
+        train.run(cfg, tmp_path / f"packed_{packed}")
+        rows[packed] = read_metrics(tmp_path / f"packed_{packed}")
+    assert len(rows[True]) == len(rows[False]) == 2
+    assert all(r["train/grad_norm"] > 1e-3 for r in rows[False])
+    for unpacked, packed in zip(rows[False], rows[True]):
+        for key, value in unpacked.items():
+            if isinstance(value, float) and not key.startswith("perf/"):
+                assert packed[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
