@@ -201,10 +201,15 @@ def step_math(overrides, packed, mesh_shape=(1, 1, 1), lora=False, seed=0):
     """(first minibatch's float32 gradients, every metric of the frozen forwards, masking,
     advantages and that minibatch's loss) of one step, packed or not."""
     built = build(overrides, packed, mesh_shape, lora)
-    flags, graphdef, hp = built.flags, built.graphdef, built.hparams
     # a reference that differs from the policy, so the KL terms are not 0 (LoRA: the base)
     ref = None if lora else jax.tree.map(lambda x: x * 0.9, built.state.params)
-    batch = built.device_batch(TrainBatch(**host_batch(seed)))
+    return batch_math(built, TrainBatch(**host_batch(seed)), ref)
+
+
+def batch_math(built, host, ref):
+    """step_math's numbers for the step `built` on the host batch `host`."""
+    flags, graphdef, hp = built.flags, built.graphdef, built.hparams
+    batch = built.device_batch(host)
 
     @jax.jit
     def grads_of(state, batch, ref, frozen):
