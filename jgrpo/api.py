@@ -9,10 +9,10 @@
     )
     result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`) and validates like the CLI: `reward_funcs` (weight 1,
-`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model)
-join data.reward_functions before `from_dict` and `validate`; Python datasets replace
-data.train_path / data.val_path; notebook functions reach the reward process by cloudpickle."""
+It runs the CLI's loop (`jgrpo.train.run`), validated like the CLI: `reward_funcs` (weight 1,
+`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model),
+`tools=[fn]` and `environment=Class` join data.* before `validate`; Python datasets replace
+data.train_path / data.val_path; notebook functions reach child processes by cloudpickle."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from jgrpo.config import (
     RewardFunctionConfig,
     apply_overrides,
     from_dict,
-    load_config,
+    read_config,
     validate,
 )
 
@@ -90,10 +90,13 @@ def build_config(
     config: Union[str, Path, dict, Config, None],
     overrides: Sequence[str] = (),
     reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
+    tools: Sequence[Union[str, Callable[..., Any]]] = (),
+    environment: Union[str, type, None] = None,
 ) -> Config:
-    """The validated Config of a path / dict / Config plus overrides and reward functions."""
+    """The validated Config of a path / dict / Config plus overrides, reward functions, tools
+    (appended to data.tools) and an environment class (data.environment)."""
     if config is None or isinstance(config, (str, Path)):
-        data = _raw(load_config(config, list(overrides)))
+        data = read_config(config, list(overrides))  # validated below, with the functions
     elif isinstance(config, Config):
         data = apply_overrides(_raw(config), list(overrides)) if overrides else _raw(config)
     elif isinstance(config, dict):
@@ -103,9 +106,12 @@ def build_config(
             f"config: expected a YAML path, a dict or a jgrpo Config, got {type(config).__name__}"
         )
     extra = _reward_items(reward_funcs)
-    if extra:
+    if extra or tools or environment is not None:
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
+        section["tools"] = list(section.get("tools") or []) + list(tools)
+        if environment is not None:
+            section["environment"] = environment
         data = {**data, "data": section}
     cfg = validate(from_dict(Config, data))
     from jgrpo.tasks.task import check_rewards_given
@@ -126,8 +132,10 @@ class GRPOTrainer:
         reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
         run_dir: Union[str, Path, None] = None,
         overrides: Sequence[str] = (),
+        tools: Sequence[Union[str, Callable[..., Any]]] = (),
+        environment: Union[str, type, None] = None,
     ):
-        self.config = build_config(config, overrides, reward_funcs)
+        self.config = build_config(config, overrides, reward_funcs, tools, environment)
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))

@@ -1,12 +1,14 @@
 """Validation metrics of a policy on every held-out set: what training logs and `jgrpo eval` prints.
 
-Per set (the task's `val`, logged as `val/...`, and each data.val_sets entry, `val/<name>/...`):
-- greedy (or grpo.val_pass_k samples: any correct) `accuracy`, `reward_mean`, `length_mean`;
+Sets: the run's own held-out set (`val/...`) and each data.val_sets entry (`val/<name>/...`),
+each prompted and scored by its own task and reward terms (`Task.val_tasks`), so a set can
+measure the task independently of the training reward. Per set:
+- greedy `accuracy` (the verifier's), `reward_mean`, `length_mean`;
 - with grpo.val_num_generations n > 1, n samples per example at rollout.val_temperature:
   `mean@n` (mean correctness), `pass@k` for k in grpo.val_pass_at (the unbiased estimator
   1 - C(n - c, k) / C(n, k) of Chen et al. 2021 with c correct of n, averaged over examples)
   and `maj@n` (majority vote over the verifier's extracted answers, `majority_correct`).
-Tasks without a verifier get the reward and length metrics only.
+Tasks without a verifier get the reward and length metrics only (`reward_mean@n` sampled).
 """
 
 from __future__ import annotations
@@ -17,7 +19,18 @@ from collections import Counter
 import numpy as np
 
 from jgrpo.config import Config
-from jgrpo.rollout import RolloutResult, validation_metrics
+from jgrpo.rollout import RolloutResult
+
+
+def greedy_metrics(result: RolloutResult) -> dict[str, float]:
+    """reward_mean, length_mean and (with a verifier) accuracy of one greedy sample per example."""
+    metrics = {
+        "reward_mean": float(result.batch["rewards"].mean()),
+        "length_mean": float(result.batch["lengths"].mean()),
+    }
+    if "correct" in result.batch:
+        metrics["accuracy"] = float(result.batch["correct"].mean())
+    return metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -57,16 +70,15 @@ def sampled_metrics(result: RolloutResult, num_examples: int, n: int, ks) -> dic
 def validate_all(cfg: Config, backend, task, step: int) -> dict[str, float]:
     """Every set's metrics (module docstring) with the backend's current weights."""
     g = cfg.grpo
-    sets = [("val", task.val), *task.val_sets.items()]
+    sets = [("val", None, task.val), *((n, n, vt.val) for n, vt in task.val_tasks.items())]
     metrics: dict[str, float] = {}
-    for name, examples in sets:
-        prefix = "val/" if name == "val" else f"val/{name}/"
-        result = backend.evaluate(examples, step, pass_k=g.val_pass_k)
-        for key, value in validation_metrics(result, len(examples), g.val_pass_k).items():
-            metrics[prefix + key.removeprefix("val/")] = value
+    for name, val_set, examples in sets:
+        prefix = "val/" if val_set is None else f"val/{name}/"
+        result = backend.evaluate(examples, step, pass_k=1, val_set=val_set)
+        metrics |= {prefix + k: v for k, v in greedy_metrics(result).items()}
         if g.val_num_generations > 1:
             n = g.val_num_generations
-            result = backend.evaluate(examples, step, pass_k=n)
+            result = backend.evaluate(examples, step, pass_k=n, val_set=val_set)
             for key, value in sampled_metrics(result, len(examples), n, g.val_pass_at).items():
                 metrics[prefix + key] = value
     return metrics

@@ -155,4 +155,4 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
         metrics = validate_all(cfg, backend, task, 0)
     finally:
         task.close()
-    return metrics | {"num_examples": len(task.val), "pass_k": cfg.grpo.val_pass_k}
+    return metrics | {"num_examples": len(task.val)}

@@ -1,9 +1,9 @@
 """The sampler: jitted prefill + decode loop over a preallocated KV cache, generation logprobs.
 
-Owns `SamplingParams` (frozen; `from_rollout_config()`), `generate(model | (graphdef, state),
-prompts, params, key, first_row=0, group_size=1) -> Generation` (numpy out; group_size G: rows
-come in groups of G identical prompts, each prefilled once), the jitted core `generate_padded`,
-host-side `pad_prompts` / `shared_prompts`, `filter_logits` (top-k, top-p) and `compile_count()`.
+Owns `SamplingParams` (`from_rollout_config()`), `generate(model | (graphdef, state), prompts,
+params, key, first_row=0, group_size=1, row_ids=None) -> Generation` (numpy; G: groups of G
+identical prompts, each prefilled once; row_ids: keys of non-consecutive rows), the jitted core
+`generate_padded`, `pad_prompts` / `shared_prompts`, `filter_logits` and `compile_count()`.
 
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
 cache slot P + i and position prompt_len_b + i, the positions the trainer's forward gives it.
@@ -422,6 +422,7 @@ def generate(
     key,
     first_row: int = 0,
     group_size: int = 1,
+    row_ids: Optional[list[int]] = None,
 ) -> Generation:
     """Sample completions of `prompts` from `model` (a Transformer or (graphdef, state)).
 
@@ -431,7 +432,9 @@ def generate(
     step's G completions per prompt, checked): each group's prompt is prefilled once and its KV
     cache and last logits are given to its G rows (prefill work / G); the draws stay keyed by
     row, so the tokens are those of group_size=1 (up to float rounding of the prefill, which
-    XLA may compile differently for a different number of rows; docs/sampler.md)."""
+    XLA may compile differently for a different number of rows; docs/sampler.md).
+    `row_ids` (instead of first_row): each prompt's global row index, for a batch of rows that
+    are not consecutive (a multi-turn rollout's running rows, jgrpo.rollout.turns)."""
     if not isinstance(model, nnx.Module):
         model = nnx.merge(*model)  # shares the state's arrays
     spec = make_decode_spec(model.cfg, params)
@@ -444,7 +447,9 @@ def generate(
         key,
         np.float32(params.temperature),
         np.float32(params.top_p),
-        np.arange(first_row, first_row + len(prompts), dtype=np.int32),
+        np.asarray(row_ids, np.int32)
+        if row_ids is not None
+        else np.arange(first_row, first_row + len(prompts), dtype=np.int32),
         spec=spec,
     )
     out = {name: np.asarray(x) for name, x in out.items()}  # waits; cheaper than device_get

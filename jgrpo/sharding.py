@@ -136,6 +136,11 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many parts a batch's rows are split into (data x fsdp)."""
+    return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 class LogitShardings(NamedTuple):
     """Where `Transformer.token_logprobs` (the trainer's chunked LM head) puts its pieces.
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import yaml
 from flax import nnx
 
@@ -46,6 +47,8 @@ from jgrpo.rollout import (
     load_tokenizer,
     make_backend,
 )
+from jgrpo.rollout.engine import batch_stats
+from jgrpo.rollout.exchange import exchange_rows
 from jgrpo.tasks import make_task
 
 log = logging.getLogger("jgrpo")
@@ -71,6 +74,8 @@ class Trainer:
     checkpointer: Checkpointer
     start_step: int
     """First step to train (0, or the resumed checkpoint's step)."""
+    draws: DataDraws = dataclasses.field(default_factory=lambda: DataDraws())
+    """A resumed run's record of the draws its first requests repeat (async, dynamic sampling)."""
 
 
 def check_run(cfg: Config) -> None:
@@ -89,11 +94,6 @@ def check_pod(cfg: Config, num_processes: int) -> None:
     """What a run over several processes needs beyond a one-process run."""
     if num_processes == 1:
         return
-    if cfg.grpo.use_dynamic_sampling:
-        raise ConfigError(
-            "grpo.use_dynamic_sampling: not supported on a pod yet (every host would have to "
-            "keep the same number of informative groups); run it on one process"
-        )
     if cfg.grpo.num_prompts_per_step % num_processes:
         raise ConfigError(
             f"grpo.num_prompts_per_step: {cfg.grpo.num_prompts_per_step} prompts do not split "
@@ -124,12 +124,13 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)
-    start = 0
+    start, draws = 0, DataDraws()
     restored = checkpointer.restore_latest_intact(state) if resume else None  # skips damage
     if restored is not None:
         state, meta, _ = restored
         start = meta["step"]
         task.train.restore(meta["data_state"])
+        draws = DataDraws.from_meta(meta)
         log.info("resumed from step %d", start)
 
     tokenizer = load_tokenizer(folder)
@@ -147,6 +148,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         backend=backend,
         checkpointer=checkpointer,
         start_step=start,
+        draws=draws,
     )
 
 
@@ -176,8 +178,51 @@ def validate(t: Trainer, step_index: int) -> dict[str, float]:
     return metrics | {"perf/val_s": time.perf_counter() - start}
 
 
-def save_checkpoint(t: Trainer, done: int, data_state: dict) -> None:
-    meta = {"step": done, "data_state": data_state, "config": to_dict(t.cfg)}
+@dataclasses.dataclass
+class DataDraws:
+    """Where the training stream stood for the steps a checkpoint had requested but not trained.
+
+    meta["data_state"]: the stream before step `done`'s first draw (what a run without async
+    or dynamic sampling restores and draws on from). With rollout.max_staleness k >= 1 and
+    dynamic sampling, the requests of steps done..done+k were drawn interleaved with earlier
+    steps' extra prompts, so the meta also holds each requested step's position
+    (`data_pending`) and the position after every draw so far (`data_next`): a resume draws
+    each pending step from its own position, then continues from `data_next`."""
+
+    pending: dict[int, dict] = dataclasses.field(default_factory=dict)
+    next: dict | None = None
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> DataDraws:
+        pending = {int(s): state for s, state in (meta.get("data_pending") or {}).items()}
+        return cls(pending, meta.get("data_next"))
+
+    def draw(self, stream, step: int, n: int) -> tuple[dict, list]:
+        """(the stream's state before, the examples) of step's first generation batch."""
+        if step in self.pending:
+            stream.restore(self.pending.pop(step))
+        elif self.next is not None:
+            stream.restore(self.next)
+            self.next = None
+        state = stream.state()
+        return state, stream.next_prompts(n)
+
+    def done(self, stream) -> None:
+        """After the resumed run's first requests: continue where the checkpointed run was."""
+        if self.next is not None:
+            stream.restore(self.next)
+        self.pending, self.next = {}, None
+
+
+def save_checkpoint(t: Trainer, done: int, data_states: dict[int, dict]) -> None:
+    current = t.task.train.state()
+    meta = {
+        "step": done,
+        "data_state": data_states.get(done) or current,
+        "data_pending": {str(s): state for s, state in data_states.items() if s >= done},
+        "data_next": current,
+        "config": to_dict(t.cfg),
+    }
     t.checkpointer.save(done, t.state, meta)
 
 
@@ -216,8 +261,9 @@ def run(
     try:
         t.backend.publish(t.state.params, t.start_step)
         for s in range(t.start_step, min(t.start_step + 1 + k, g.max_num_steps)):
-            data_states[s] = t.task.train.state()
-            t.backend.request(s, t.task.train.next_prompts(g.gen_prompts_per_batch))
+            data_states[s], examples = t.draws.draw(t.task.train, s, g.gen_prompts_per_batch)
+            t.backend.request(s, examples)
+        t.draws.done(t.task.train)
         if g.val_at_start and t.start_step == 0:
             val = validate(t, 0)
             history.append({"step": 0, **val})
@@ -233,14 +279,14 @@ def run(
             logger.log(done, metrics)
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
-                save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+                save_checkpoint(t, done, data_states)
                 if cfg.checkpoint.export_hf:
                     save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
         save_final(t, run_dir / FINAL_DIR)
     except RolloutFailure as e:
         if done not in t.checkpointer.all_steps():
-            save_checkpoint(t, done, data_states.get(done) or t.task.train.state())
+            save_checkpoint(t, done, data_states)
         raise RunStopped(
             f"rollout failed past rollout.max_worker_failures ({e}); checkpoint saved at step "
             f"{done}: continue with --resume"
@@ -299,20 +345,22 @@ def collect_informative(t: Trainer, s: int, first: RolloutResult) -> RolloutResu
     (at most grpo.dynamic_sampling_max_gen_batches); the extra prompts come from the training
     stream, so it advances the same way in every run of this config (and a resume). The batch
     holds the first P informative groups in order, then padding rows (group id -1, sample_mask
-    0) for a shortfall; its statistics are those of every generated row, before filtering."""
+    0) for a shortfall; its statistics are those of every generated row, before filtering.
+    On a pod every host decides on every host's rows (one gather of per-row values per
+    generation batch), so all draw the same extra prompts and keep the same groups; the rows
+    a host feeds may come from another host (`exchange_rows`)."""
     g = t.cfg.grpo
     results = [first]
-    kept = sum(dapo.informative_groups(first.batch, g.dynamic_sampling_filter).values())
+    rows = [pod_rows(first.batch, 0)]
+    kept = sum(dapo.informative_groups(rows[-1], g.dynamic_sampling_filter).values())
     while kept < g.num_prompts_per_step and len(results) < g.dynamic_sampling_max_gen_batches:
         j = len(results)
         t.backend.request(s, t.task.train.next_prompts(g.gen_prompts_per_batch), gen_batch=j)
         results.append(t.backend.collect(s, gen_batch=j))
-        kept += sum(dapo.informative_groups(results[-1].batch, g.dynamic_sampling_filter).values())
-    batch, kept = dapo.select_groups(
-        [r.batch for r in results],
-        g.num_prompts_per_step,
-        g.num_generations_per_prompt,
-        g.dynamic_sampling_filter,
+        rows.append(pod_rows(results[-1].batch, sum(len(r.batch["rewards"]) for r in results[:-1])))
+        kept += sum(dapo.informative_groups(rows[-1], g.dynamic_sampling_filter).values())
+    pick_b, group_b, kept = dapo.plan_groups(
+        rows, g.num_prompts_per_step, g.num_generations_per_prompt, g.dynamic_sampling_filter
     )
     if kept < g.num_prompts_per_step:
         message = (
@@ -323,12 +371,32 @@ def collect_informative(t: Trainer, s: int, first: RolloutResult) -> RolloutResu
         if g.dynamic_sampling_on_exhausted == "raise":
             raise RunStopped(message)
         log.warning("%s; training on those (the rest are padding rows)", message)
+    every = {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+    local = dapo.join_batches([r.batch for r in results])
+    batch, position_b = exchange_rows(
+        local, every["process"][pick_b], every["pool_row"][pick_b], t.setup.mesh
+    )
+    batch = dapo.relabel(batch, group_b[position_b])
     offsets = [j * g.gen_prompts_per_batch for j in range(len(results))]
-    everything = concat_results(results, offsets)
-    stats = {**results[-1].stats, **everything.stats}
+    every["group_ids"] = np.concatenate(
+        [r["group_ids"] + offset for r, offset in zip(rows, offsets)]
+    )
+    stats = {**results[-1].stats, **concat_results(results, offsets).stats}
+    stats |= batch_stats(every, first.reward_names)  # every host's rows (one process: the same)
     stats["dynamic_sampling/gen_batches"] = float(len(results))
     stats["dynamic_sampling/kept_groups"] = float(kept)
     return RolloutResult(batch, stats, first.samples, first.reward_names)
+
+
+def pod_rows(batch: dict, pool_start: int) -> dict[str, np.ndarray]:
+    """Every host's per-row arrays of a generation batch (this process's alone on one), each
+    row tagged with its process and its index in that process's generation batches joined
+    (`pool_start`: this process's rows before this batch). Collective on a pod."""
+    n = len(batch["rewards"])
+    mine = {k: v for k, v in batch.items() if k not in dapo.PADDED_KEYS}
+    mine["process"] = np.full(n, distributed.process_index(), np.int32)
+    mine["pool_row"] = pool_start + np.arange(n, dtype=np.int64)
+    return distributed.allgather_rows(mine)
 
 
 FINAL_DIR = "final"

@@ -117,6 +117,22 @@ def make_random_hf_model(hf_config, seed=0):
     return model
 
 
+def importable_modules(tmp_path_factory, sources: dict):
+    """Generator for a module fixture: write {module name: source} into a fresh folder, put it
+    on sys.path (inherited by child processes) and PYTHONPATH (Ray workers get the driver's),
+    yield, take it off again."""
+    folder = tmp_path_factory.mktemp("modules")
+    for name, source in sources.items():
+        (folder / f"{name}.py").write_text(source)
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(folder))
+    mp.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    )
+    yield
+    mp.undo()
+
+
 REWARD_MODEL_TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
 )

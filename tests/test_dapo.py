@@ -1,6 +1,7 @@
 """DAPO: overlong shaping and filtering, dynamic sampling (hand-worked values, TRL's formula)."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -145,14 +146,13 @@ def test_dapo_config_errors():
         load_config(TINY, ["grpo.overlong_buffer={penalty: 1.0}"])
     with pytest.raises(ConfigError, match="grpo.batch_multiplier: > 1 needs"):
         load_config(TINY, ["grpo.batch_multiplier=2"])
-    with pytest.raises(ConfigError, match="grpo.use_dynamic_sampling: needs rollout.max_stal"):
+    with pytest.raises(ConfigError, match="grpo.dynamic_sampling_filter: correct needs a task"):
         load_config(
             TINY,
             [
                 "grpo.use_dynamic_sampling=true",
-                "rollout.backend=ray",
-                "rollout.max_staleness=1",
-                "loss.use_importance_sampling_correction=true",
+                "grpo.dynamic_sampling_filter=correct",
+                "data.task=prompts",
             ],
         )
 
@@ -202,7 +202,12 @@ class _FakeStream:
 def _trainer(cfg, backend):
     from types import SimpleNamespace
 
-    return SimpleNamespace(cfg=cfg, backend=backend, task=SimpleNamespace(train=_FakeStream()))
+    return SimpleNamespace(
+        cfg=cfg,
+        backend=backend,
+        task=SimpleNamespace(train=_FakeStream()),
+        setup=SimpleNamespace(mesh=None),  # one process: rows are selected without the mesh
+    )
 
 
 def test_all_equal_groups_draw_more_batches_and_only_informative_groups_are_trained():
@@ -285,11 +290,21 @@ def coin(prompts, completions, **columns):
 
 
 @pytest.fixture
-def coin_reward(tmp_path, monkeypatch):
-    """REWARD_MODULE importable as `coin_reward` here and in the reward process (and workers)."""
-    (tmp_path / "coin_reward.py").write_text(REWARD_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+def install_module(tmp_path, monkeypatch):
+    """install(name, source): a module importable here and in the reward process (and workers)."""
+
+    def install(name, source):
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    return install
+
+
+@pytest.fixture
+def coin_reward(install_module):
+    """REWARD_MODULE importable as `coin_reward`."""
+    install_module("coin_reward", REWARD_MODULE)
 
 
 def test_dynamic_sampling_trains_no_all_equal_group_and_resume_repeats_the_run(
@@ -355,3 +370,129 @@ def test_dynamic_sampling_on_ray_workers_matches_the_local_backend(tmp_path, coi
     local, ray = pick(read_metrics(tmp_path / "local")), pick(read_metrics(tmp_path / "ray"))
     assert max(r["dynamic_sampling/gen_batches"] for r in local) > 1
     assert ray == local
+
+
+def test_a_resume_draws_each_pending_step_where_the_run_drew_it():
+    """Async (k = 1) with dynamic sampling: step s + 1 is requested before step s draws its
+    extra prompts, so the stream interleaves them; the checkpoint keeps each requested step's
+    position, and a resume requests the same prompts, then continues where the run was."""
+    from types import SimpleNamespace
+
+    from jgrpo import train
+    from jgrpo.tasks.data import RecordStream
+
+    def stream():
+        return RecordStream([{"id": i} for i in range(7)], seed=3, shuffle=True)
+
+    run, saved = stream(), {}
+    t = SimpleNamespace(
+        cfg=load_config(TINY),
+        state=None,
+        task=SimpleNamespace(train=run),
+        checkpointer=SimpleNamespace(save=lambda step, state, meta: saved.update(meta)),
+    )
+    draws, states, asked = train.DataDraws(), {}, {}
+    for s in (0, 1):  # the first requests: steps 0 .. k
+        states[s], asked[s] = draws.draw(run, s, 2)
+    draws.done(run)
+    extras = {0: [run.next_prompts(2)]}  # step 0 draws one more generation batch
+    states[2], asked[2] = run.state(), run.next_prompts(2)  # then requests step 2
+    extras[1] = [run.next_prompts(2), run.next_prompts(2)]  # step 1 draws two more
+    states[3], asked[3] = run.state(), run.next_prompts(2)  # then requests step 3
+    train.save_checkpoint(t, 2, states)  # steps 0 and 1 trained
+    extras[2] = [run.next_prompts(2)]  # the uninterrupted run goes on
+    assert sorted(saved["data_pending"]) == ["2", "3"]
+
+    resumed = stream()
+    resumed.restore(saved["data_state"])
+    draws = train.DataDraws.from_meta(json.loads(json.dumps(saved)))
+    for s in (2, 3):
+        assert draws.draw(resumed, s, 2)[1] == asked[s]
+    draws.done(resumed)
+    assert resumed.next_prompts(2) == extras[2][0]
+
+
+ALTERNATING_MODULE = """
+import zlib
+
+def alternate(prompts, completions, **columns):
+    # prompts with an odd crc score all their completions 0 (an all-equal group); the others
+    # score 0, 1, 0, 1 by row (a group's rows are consecutive): which groups are informative
+    # depends on the prompts alone, not on the weights that generated them
+    return [0.0 if zlib.crc32(p.encode()) % 2 else float(i % 2) for i, p in enumerate(prompts)]
+"""
+
+
+class RecordRequests:
+    """Wraps a backend: records every request (step, generation batch, example ids); raises a
+    RolloutFailure when asked to collect `fail_at`, as a run past its worker failures does."""
+
+    def __init__(self, inner, log, fail_at=None):
+        self.inner, self.log, self.fail_at = inner, log, fail_at
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def request(self, step, examples, gen_batch=0):
+        self.log[step, gen_batch] = [e["id"] for e in examples]
+        self.inner.request(step, examples, gen_batch=gen_batch)
+
+    def collect(self, step, gen_batch=0):
+        from jgrpo.rollout import RolloutFailure
+
+        if (step, gen_batch) == self.fail_at:
+            raise RolloutFailure("worker lost (test)")
+        return self.inner.collect(step, gen_batch=gen_batch)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy  # in make test: test_a_resume_draws_each_pending_step_where_the_run_drew_it
+def test_async_dynamic_sampling_on_ray_resumes_with_the_same_prompts(
+    tmp_path, monkeypatch, install_module, ray_cluster
+):
+    """rollout.max_staleness 1: a run stopped at step 4 (a checkpoint of 3 steps, steps 3 and 4
+    requested) and resumed requests every later generation batch with the prompts of the
+    uninterrupted run. (The weights of the batches in flight differ after an async resume:
+    the checkpoint holds only the newest; the rewards here do not depend on them.)"""
+    from jgrpo import train
+    from jgrpo.metrics import read_metrics
+
+    install_module("alternating", ALTERNATING_MODULE)
+    overrides = [
+        *QUIET,
+        "grpo.max_num_steps=6",
+        "grpo.use_dynamic_sampling=true",
+        "data.task_reward_weight=0.0",
+        "data.reward_functions=[{function: 'alternating:alternate'}]",
+        "rollout.backend=ray",
+        "rollout.num_workers=1",
+        "rollout.max_staleness=1",
+        "loss.use_importance_sampling_correction=true",
+        "checkpoint.save_period=1",
+    ]
+    real, logs = train.make_backend, {}
+
+    def run(name, run_dir, fail_at=None, resume=False):
+        log = logs.setdefault(name, {})
+        monkeypatch.setattr(
+            train, "make_backend", lambda *a: RecordRequests(real(*a), log, fail_at)
+        )
+        train.run(load_config(TINY, overrides), tmp_path / run_dir, resume=resume)
+
+    run("full", "full")
+    with pytest.raises(train.RunStopped, match="checkpoint saved at step 3"):
+        run("stopped", "broken", fail_at=(3, 0))
+    run("resumed", "broken", resume=True)
+    full = logs["full"]
+    assert max(j for _, j in full) >= 1  # extra generation batches were drawn
+    assert {k for k in logs["stopped"] if k[0] >= 3} == {(3, 0), (4, 0)}  # in flight
+    # every (step, generation batch) from step 3 on is drawn with the run's prompts
+    assert logs["resumed"] == {k: v for k, v in full.items() if k[0] >= 3}
+    rows = read_metrics(tmp_path / "full")
+    assert [r["dynamic_sampling/gen_batches"] for r in read_metrics(tmp_path / "broken")] == [
+        r["dynamic_sampling/gen_batches"] for r in rows
+    ]
+    for r in rows:
+        assert r["dynamic_sampling/kept_groups"] == 4
+        assert r["reward/frac_groups_all_equal"] == 0.0
+        assert r["rollout/staleness_max"] <= 1

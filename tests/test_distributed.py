@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from conftest import xla_flags
 from flax import nnx
@@ -371,3 +372,102 @@ def test_two_process_pod_with_a_reward_model_matches_one_process(tmp_path, jax_c
         assert ref["train/grad_norm"] > 0.1  # nonzero advantages: nothing trivially equal
         for key in (*COMPARED, "reward/judge/mean", "reward/length/mean"):
             assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+EXCHANGE_SCRIPT = """
+import sys
+
+import numpy as np
+
+from jgrpo import distributed
+
+coordinator, me, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+distributed.initialize(distributed.ProcessSpec(coordinator, 2, me, "flags", peer_timeout_s=30))
+from jgrpo import sharding
+from jgrpo.config import MeshConfig
+from jgrpo.rollout.exchange import exchange_rows
+
+mesh = sharding.make_mesh(MeshConfig(data=4, fsdp=2))
+rows = (5, 3)[me]  # the hosts generated different numbers of rows
+local = {
+    "x": (np.arange(rows * 3).reshape(rows, 3) + 100 * me).astype(np.int32),
+    "flag": np.arange(rows) % 2 == me,
+    "terms": np.zeros((rows, 0), np.float32),
+}
+source = np.array([1, 0, 1, 1, 0, 0, 1, 0])
+index = np.array([2, 4, 0, 1, 0, 3, 2, 1])
+got, positions = exchange_rows(local, source, index, mesh)
+np.savez(out, positions=positions, **got)
+distributed.finish()
+"""
+
+
+def test_rows_move_between_two_processes_through_the_devices(tmp_path):
+    """Dynamic sampling on a pod: the rows a host feeds may have been generated on another.
+    Each of 2 processes (4 devices each) gets its rows of the picked batch, with positions."""
+    (tmp_path / "exchange.py").write_text(EXCHANGE_SCRIPT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = xla_flags(4)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(tmp_path / "exchange.py"),
+                coordinator,
+                str(i),
+                str(tmp_path / f"{i}.npz"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    x = {h: np.arange(n * 3).reshape(n, 3) + 100 * h for h, n in ((0, 5), (1, 3))}
+    flag = {h: np.arange(n) % 2 == h for h, n in ((0, 5), (1, 3))}
+    source = [1, 0, 1, 1, 0, 0, 1, 0]
+    index = [2, 4, 0, 1, 0, 3, 2, 1]
+    seen = []
+    for i in range(2):
+        with np.load(tmp_path / f"{i}.npz") as got:
+            assert len(got["positions"]) == 4 and got["terms"].shape == (4, 0)
+            for row, b in enumerate(got["positions"]):
+                np.testing.assert_array_equal(got["x"][row], x[source[b]][index[b]])
+                assert got["flag"][row] == flag[source[b]][index[b]]
+            seen += list(got["positions"])
+    assert sorted(seen) == list(range(8))
+
+
+FLAT_HALF_REWARD = (  # half the prompts score 0 on every completion: all-equal groups
+    "import zlib\n\n"
+    "def length(prompts, completions, **kwargs):\n"
+    "    return [0.0 if zlib.crc32(p.encode()) % 2 else len(c) / 8.0\n"
+    "            for p, c in zip(prompts, completions)]\n"
+)
+
+
+@pytest.mark.heavy  # in make test: test_rows_move_between_two_processes_through_the_devices
+def test_two_process_pod_with_dynamic_sampling_matches_one_process(tmp_path, jax_cache):
+    """Every host draws the same extra prompts, keeps the same informative groups and feeds its
+    rows of them (generated on either host): the one-process run's losses and counts."""
+    (tmp_path / "pod_rewards.py").write_text(FLAT_HALF_REWARD)
+    ds = "grpo.use_dynamic_sampling=true"
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, ds, cache=jax_cache)
+    procs += _launch(tmp_path, pod, 2, ds, cache=jax_cache)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert max(r["dynamic_sampling/gen_batches"] for r in reference) > 1
+    assert all(r["train/grad_norm"] > 0.01 for r in reference)  # nothing compared is 0
+    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
+    counts = ("dynamic_sampling/", "batch/frac_reward_zero_std", "reward/frac_groups_all_equal")
+    pick = lambda rs: [{k: v for k, v in r.items() if k.startswith(counts)} for r in rs]  # noqa: E731
+    assert pick(rows) == pick(reference)

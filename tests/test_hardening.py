@@ -322,8 +322,8 @@ CASES = [
     (
         "arithmetic-one-question",
         [*T, "data.max_operand=0", "data.operators=+", "data.num_terms=1", "grpo.max_num_steps=1"],
-        "data.max_operand=0, data.num_terms=1, data.operators='+': the arithmetic task has 1 "
-        "distinct question",
+        "data.max_operand=0, data.num_terms=1, data.operators='+', data.min_operand=0: the "
+        "arithmetic task has 1 distinct question",
         True,
     ),
     (

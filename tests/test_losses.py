@@ -335,6 +335,33 @@ def test_policy_loss_matches_numpy(name):
         assert 0 < metrics["is/oob_ratio"] < 1
 
 
+def with_reply_holes(batch):
+    """Multi-turn rows: inside a row's completion, reply ids (token mask 0, finite garbage
+    logprobs) sit between its generated turns."""
+    tm = batch["token_mask"].copy()
+    for i, row in enumerate(tm):
+        generated = np.flatnonzero(row)
+        if len(generated) >= 4:
+            tm[i, generated[1] : generated[1] + 2] = 0.0  # a 2-id reply after the first turn
+    assert ((np.diff(tm, axis=1) == 1).sum(1) >= 2).sum() >= 2  # rows with two turns
+    return dict(batch, token_mask=tm)
+
+
+HOLES_CFGS = {  # token mean, GSPO's per-row length and weights, Dr. GRPO, token IS, the KL
+    **{k: PARITY_CFGS[k] for k in ("gspo_tis", "seq_sum_norm", "icepop")},
+    "kl": LossConfig(reference_policy_kl_penalty=0.3),
+}
+
+
+@pytest.mark.parametrize("name", HOLES_CFGS)
+def test_policy_loss_with_reply_holes_matches_numpy(name):
+    """Every normaliser (token counts, GSPO's per-row length, Dr. GRPO's constant), the IS
+    weights and the KL read the token mask, so holes in it (multi-turn replies) are excluded
+    like padding: the float64 reference over the same mask agrees."""
+    lp, batch = make_batch(1, t=12, spread=0.6)
+    assert_matches_reference(lp, with_reply_holes(batch), HOLES_CFGS[name])
+
+
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("clamps", [(None, None), (20.0, 10.0), (1.0, 0.8)])
 @pytest.mark.parametrize("on_policy_approx", [False, True])
@@ -429,8 +456,10 @@ def test_seq_error_metrics_nemo_masking_with_threshold():
     assert got["logprob/seq_error_kept_max"] == pytest.approx(full[0], rel=1e-6)
 
 
-def test_seq_error_metrics_match_numpy_before_and_after_masking():
-    lp, batch = make_batch(4)
+@pytest.mark.parametrize("holes", [False, True])
+def test_seq_error_metrics_match_numpy_before_and_after_masking(holes):
+    lp, batch = make_batch(4, t=12 if holes else 7)
+    batch = with_reply_holes(batch) if holes else batch
     prev, gen = batch["prev_logprobs"], batch["generation_logprobs"]
     tm, sm = batch["token_mask"].copy(), batch["sample_mask"]
     tm[0] = 0.0  # a row with no token: in no mean's denominator

@@ -393,12 +393,16 @@ def test_reward_that_ignores_the_alarm_is_killed(rewards_module):
         [(f"{rewards_module}:stubborn", 1.0), (f"{rewards_module}:length", 1.0)],
         reward_timeout_s=0.3,
     )
+    start = time.monotonic()  # what a child's start costs on this machine now
+    make_task(_reward_cfg([(f"{rewards_module}:length", 1.0)]), 0).close()
+    restart_s = time.monotonic() - start
     task = make_task(cfg, 0)
     try:
         prompts, completions, examples = _batch(task, 3)
         start = time.monotonic()
         rewards, info = task.score(prompts, completions, examples)
-        assert time.monotonic() - start < 0.3 + 1.0 + 2.0  # timeout + kill slack + a restart
+        # one kill for the batch (timeout + kill slack) and one restart, not one per row
+        assert time.monotonic() - start < 0.3 + 1.0 + 2 * restart_s + 0.5
         assert info["num_reward_timeouts"] == 3
         expected = [(i % 2 == 0) + len(c) for i, c in enumerate(completions)]
         np.testing.assert_allclose(rewards, expected, rtol=1e-6)

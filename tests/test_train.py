@@ -70,27 +70,32 @@ def test_rollout_failure_checkpoints_and_resume_finishes_the_run(tmp_path, monke
 
 
 def test_validation_pass_at_k_groups_samples_by_example():
-    """pass@k: an example counts when any of its k samples is correct (rows are example-major)."""
+    """pass@k from k samples: an example counts when any of them is correct (rows are
+    example-major); val/accuracy stays the greedy one."""
     import numpy as np
 
     from jgrpo.rollout import RolloutResult
 
     class Backend:
-        def evaluate(self, examples, step, pass_k):
-            correct = np.array([[0, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
-            assert pass_k == 4 and len(examples) == 3
+        def evaluate(self, examples, step, pass_k, val_set=None):
+            assert len(examples) == 3 and val_set is None
+            if pass_k == 1:  # greedy: only the first example
+                correct = np.array([1, 0, 0], bool)
+            else:
+                assert pass_k == 4
+                correct = np.array([[0, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
             batch = {
                 "correct": correct.reshape(-1),
                 "rewards": correct.reshape(-1).astype(np.float32),
-                "lengths": np.full(12, 3),
+                "lengths": np.full(correct.size, 3),
             }
             return RolloutResult(batch, {}, [])
 
     class Task:
         val = ["a", "b", "c"]
-        val_sets = {}
+        val_tasks = {}
 
-    cfg = load_config(TINY, ["grpo.val_pass_k=4"])
+    cfg = load_config(TINY, ["grpo.val_num_generations=4", "grpo.val_pass_at=[4]"])
     t = train.Trainer(
         cfg=cfg,
         setup=None,
@@ -101,8 +106,10 @@ def test_validation_pass_at_k_groups_samples_by_example():
         start_step=0,
     )
     metrics = train.validate(t, 0)
-    assert metrics["val/accuracy"] == pytest.approx(2 / 3)
-    assert metrics["val/reward_mean"] == pytest.approx(5 / 12)
+    assert metrics["val/pass@4"] == pytest.approx(2 / 3)
+    assert metrics["val/mean@4"] == pytest.approx(5 / 12)
+    assert metrics["val/accuracy"] == pytest.approx(1 / 3)
+    assert metrics["val/reward_mean"] == pytest.approx(1 / 3)
 
 
 @pytest.mark.slow  # two one-step runs of configs/tiny.yaml

@@ -197,7 +197,7 @@ def evaluate_folder(cfg, folder: Path) -> float:
     return evaluate(
         cfg.replace(
             model=ModelConfig(path=str(folder), dtype="float32"),
-            grpo=dataclasses.replace(cfg.grpo, val_pass_k=1),
+            grpo=dataclasses.replace(cfg.grpo, val_num_generations=1, val_pass_at=(1,)),
         )
     )["val/accuracy"]
 

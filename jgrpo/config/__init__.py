@@ -18,6 +18,7 @@ from jgrpo.config.loading import (
     format_config,
     from_dict,
     load_config,
+    read_config,
     read_json,
     read_yaml,
     to_dict,
@@ -49,6 +50,7 @@ from jgrpo.config.sections import (
     OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
+    ValSetConfig,
 )
 
 __all__ = [
@@ -75,6 +77,7 @@ __all__ = [
     "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "ValSetConfig",
     "apply_overrides",
     "check_resume_compatible",
     "field_docs",
@@ -82,6 +85,7 @@ __all__ = [
     "from_dict",
     "load_config",
     "read_json",
+    "read_config",
     "read_yaml",
     "to_dict",
     "validate",

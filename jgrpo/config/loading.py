@@ -19,6 +19,7 @@ import math
 import textwrap
 import types
 import typing
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -67,6 +68,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return from_dict(tp, value, prefix=key)
+    if origin is tuple and _named_entries(tp) is not None:
+        return _coerce_named(value, _named_entries(tp), key)
     if origin is tuple and isinstance(value, dict) and _is_pairs(tp):
         value = [[k, v] for k, v in value.items()]  # {a: b} where pairs [[a, b]] are expected
     if origin is tuple:
@@ -108,6 +111,50 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"unsupported config annotation {tp!r} at {key}")
 
 
+def _named_entries(tp: Any) -> Any:
+    """The dataclass of tuple[X, ...] when X has a `name` field and a SHORT_FORM (e.g.
+    ValSetConfig); None otherwise."""
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis and dataclasses.is_dataclass(args[0]):
+        if hasattr(args[0], "SHORT_FORM") and "name" in _hints(args[0]):
+            return args[0]
+    return None
+
+
+def _coerce_named(value: Any, cls: Any, key: str) -> tuple:
+    """Named entries: a mapping {name: fields or a bare SHORT_FORM value}, or a list of field
+    mappings with `name` (what `to_dict` writes) or of [name, value] pairs."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for i, entry in enumerate(value):
+            if isinstance(entry, cls):
+                items.append((entry.name, entry))
+            elif isinstance(entry, dict) and "name" in entry:
+                items.append((entry["name"], {k: v for k, v in entry.items() if k != "name"}))
+            elif isinstance(entry, (list, tuple)) and len(entry) == 2:
+                items.append(tuple(entry))
+            else:
+                raise ConfigError(
+                    f"{key}[{i}]: expected a mapping with `name`, or [name, {cls.SHORT_FORM}]"
+                )
+    else:
+        raise ConfigError(f"{key}: expected a mapping {{name: {cls.SHORT_FORM} or {{...}}}}")
+    out = []
+    for name, entry in items:
+        if not isinstance(name, str):
+            raise ConfigError(f"{key}: name {name!r} must be a string")
+        if isinstance(entry, cls):
+            out.append(entry)
+            continue
+        fields = dict(entry) if isinstance(entry, dict) else {cls.SHORT_FORM: entry}
+        if "name" in fields:
+            raise ConfigError(f"{key}.{name}.name: the mapping key names the entry")
+        out.append(from_dict(cls, {"name": name, **fields}, prefix=f"{key}.{name}"))
+    return tuple(out)
+
+
 def _is_pairs(tp: Any) -> bool:
     """`tp` is tuple[tuple[K, V], ...]: a mapping is accepted for it."""
     args = typing.get_args(tp)
@@ -119,10 +166,40 @@ def _is_pairs(tp: Any) -> bool:
     )
 
 
+def upgrade_legacy_keys(data: dict) -> dict:
+    """A copy of a whole config dict with removed keys mapped to their successors (warned):
+    `grpo.val_pass_k: k` is `grpo.val_num_generations: k` + `grpo.val_pass_at: [k]`
+    (val/pass@k; val/accuracy is greedy), dropped when 1 (every config.yaml saved before
+    carries it); a ConfigError when the new keys are also set to something else."""
+    grpo = data.get("grpo")
+    if not isinstance(grpo, dict) or "val_pass_k" not in grpo:
+        return data
+    grpo = dict(grpo)
+    k = grpo.pop("val_pass_k")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"grpo.val_pass_k: expected an integer >= 1, got {k!r}")
+    if k > 1:
+        if grpo.get("val_num_generations", 1) != 1 or list(grpo.get("val_pass_at", [1])) != [1]:
+            raise ConfigError(
+                "grpo.val_pass_k: replaced by grpo.val_num_generations and grpo.val_pass_at; "
+                "give only those"
+            )
+        grpo |= {"val_num_generations": k, "val_pass_at": [k]}
+        warnings.warn(
+            f"grpo.val_pass_k: {k} is now grpo.val_num_generations: {k} with "
+            f"grpo.val_pass_at: [{k}] (logged as val/pass@{k}; val/accuracy is greedy)",
+            stacklevel=3,
+        )
+    return {**data, "grpo": grpo}
+
+
 def from_dict(cls, data: dict, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types (a
+    whole `Config` first goes through `upgrade_legacy_keys`)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    if cls is Config:
+        data = upgrade_legacy_keys(data)
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -248,8 +325,9 @@ def read_json(path: str | Path, key: str, kind: type | None = dict) -> Any:
     return data
 
 
-def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:
-    """Read YAML `path` (None = defaults), apply dotted overrides, build and validate."""
+def read_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> dict:
+    """The plain dict of YAML `path` (None = defaults) with dotted overrides applied; not yet
+    typed or validated (the Python API adds functions and classes first)."""
     data: dict = {}
     if path is not None:
         data = read_yaml(path)
@@ -257,8 +335,12 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
             data = {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: expected a mapping at the top level")
-    data = apply_overrides(data, list(overrides))
-    cfg = from_dict(Config, data)
+    return apply_overrides(data, list(overrides))
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> Config:
+    """Read YAML `path` (None = defaults), apply dotted overrides, build and validate."""
+    cfg = from_dict(Config, read_config(path, overrides))
     validate(cfg)
     return cfg
 

@@ -23,6 +23,7 @@ from jgrpo.config.sections import (
     LossConfig,
     MeshConfig,
     OptimConfig,
+    ValSetConfig,
 )
 
 MAX_SEED = 2**32 - 1
@@ -44,7 +45,6 @@ AT_LEAST_ONE = (
     "grpo.max_num_steps",
     "grpo.num_minibatches",
     "grpo.num_microbatches",
-    "grpo.val_pass_k",
     "rollout.num_workers",
     "rollout.max_new_tokens",
     "rollout.prompt_bucket",
@@ -52,6 +52,8 @@ AT_LEAST_ONE = (
     "data.num_val_examples",
     "data.num_terms",
     "data.countdown_num_numbers",
+    "data.tool_processes",
+    "rollout.max_turns",
     "model.logprob_chunk_size",
 )
 """Integer keys that must be >= 1."""
@@ -62,6 +64,7 @@ AT_LEAST_ZERO = (
     "rollout.max_worker_failures",
     "optim.warmup_steps",
     "data.max_operand",
+    "data.min_operand",
 )
 """Integer keys that must be >= 0 (0 = off for the periods)."""
 AT_MOST = (
@@ -74,8 +77,9 @@ AT_MOST = (
     ("rollout.max_new_tokens", MAX_SEQUENCE),
     ("grpo.num_prompts_per_step", MAX_BATCH_ROWS),
     ("grpo.num_generations_per_prompt", MAX_BATCH_ROWS),
-    ("grpo.val_pass_k", 1024),
     ("rollout.num_workers", 4096),
+    ("rollout.max_turns", 1024),
+    ("data.tool_processes", 256),
 )
 """Upper bounds: values past these are typos that would exhaust memory or time, not runs."""
 
@@ -105,6 +109,7 @@ def validate(cfg: Config) -> Config:
     check_mesh(cfg.mesh)
     check_dapo(cfg)
     check_evaluation(cfg)
+    check_turns(cfg)
     return cfg
 
 
@@ -146,19 +151,28 @@ def check_data(data: DataConfig) -> None:
         f"data.operators: {data.operators!r} must be a non-empty subset of '+-*'",
     )
     _require(data.reward_timeout_s > 0, "data.reward_timeout_s: must be > 0")
+    _require(data.tool_timeout_s > 0, "data.tool_timeout_s: must be > 0")
+    _require(
+        data.min_operand <= data.max_operand,
+        f"data.min_operand: {data.min_operand} must be <= data.max_operand {data.max_operand}",
+    )
     _require(data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
+    check_reward_names(data.reward_functions, "data.reward_functions")
+
+
+def check_reward_names(terms, key: str) -> None:
+    """Reward terms (data.reward_functions, a validation set's): `module:function` strings and
+    distinct metric names."""
     labels: set[str] = set()
-    for i, rf in enumerate(data.reward_functions):
+    for i, rf in enumerate(terms):
         if isinstance(rf.function, str):
             _require(
                 ":" in rf.function and all(rf.function.split(":", 1)),
-                f"data.reward_functions[{i}].function: {rf.function!r} must look like "
-                "module:function",
+                f"{key}[{i}].function: {rf.function!r} must look like module:function",
             )
         _require(
             rf.label not in labels,
-            f"data.reward_functions[{i}].name: {rf.label!r} names two reward functions; "
-            "set a distinct name",
+            f"{key}[{i}].name: {rf.label!r} names two reward functions; set a distinct name",
         )
         labels.add(rf.label)
 
@@ -207,10 +221,6 @@ def check_grpo(cfg: Config) -> None:
     _require(
         g.num_generations_per_prompt >= 2 or g.advantage.estimator == "reinforce_plus_plus",
         "grpo.num_generations_per_prompt: group baselines need at least 2 generations",
-    )
-    _require(
-        g.val_pass_k == 1 or cfg.rollout.temperature > 0,
-        "grpo.val_pass_k: pass@k with k > 1 needs rollout.temperature > 0",
     )
     if g.packing_budget is not None:
         _require(
@@ -437,11 +447,6 @@ def check_dapo(cfg: Config) -> None:
     )
     if g.use_dynamic_sampling:
         _require(
-            ro.max_staleness == 0,
-            "grpo.use_dynamic_sampling: needs rollout.max_staleness 0 (the extra prompts of a "
-            "step are drawn after it is collected)",
-        )
-        _require(
             g.dynamic_sampling_filter == "reward" or cfg.data.task != "prompts",
             "grpo.dynamic_sampling_filter: correct needs a task with a verifier, not prompts",
         )
@@ -461,11 +466,69 @@ def check_evaluation(cfg: Config) -> None:
         n == 1 or (t if t is not None else ro.temperature) > 0,
         "rollout.val_temperature: the val_num_generations samples need a temperature > 0",
     )
-    names = [name for name, _ in cfg.data.val_sets]
-    for name in names:
+    names = [vs.name for vs in cfg.data.val_sets]
+    for vs in cfg.data.val_sets:
         _require(
-            name.replace("_", "").replace("-", "").isalnum()
-            and name != "val"
-            and names.count(name) == 1,
-            f"data.val_sets: name {name!r} must be unique, not 'val', letters/digits/_/- only",
+            vs.name.replace("_", "").replace("-", "").isalnum()
+            and vs.name != "val"
+            and names.count(vs.name) == 1,
+            f"data.val_sets: name {vs.name!r} must be unique, not 'val', letters/digits/_/- only",
         )
+        check_val_set(vs, cfg.data)
+
+
+def check_val_set(vs: ValSetConfig, data: DataConfig) -> None:
+    """One data.val_sets entry: a path, its example count, its own reward terms (functions:
+    reward models are loaded for data.reward_functions only, so a set gets them by inheriting
+    those), a reward for a task without a verifier."""
+    key = f"data.val_sets.{vs.name}"
+    _require(vs.path.strip() != "", f"{key}.path: must name a file, folder or dataset id")
+    if vs.num_examples is not None:
+        _require(
+            1 <= vs.num_examples <= MAX_VAL_EXAMPLES,
+            f"{key}.num_examples: must lie in [1, {MAX_VAL_EXAMPLES}], got {vs.num_examples}",
+        )
+    for i, rf in enumerate(vs.reward_functions or ()):
+        _require(
+            rf.function is not None and rf.model is None,
+            f"{key}.reward_functions[{i}]: give a function (module:function); a set inherits "
+            "data.reward_functions' reward models only when it has no reward_functions of its own",
+        )
+    check_reward_names(vs.reward_functions or (), f"{key}.reward_functions")
+    resolved = vs.data_config(data)
+    own_scoring = vs.reward_functions is not None or resolved.task != data.task
+    if resolved.task == "prompts" and own_scoring:  # inherited terms: checked with data's
+        _require(
+            len(resolved.reward_functions) > 0,
+            f"{key}.reward_functions: task 'prompts' has no verifier; give at least one",
+        )
+
+
+def check_turns(cfg: Config) -> None:
+    """Multi-turn rollouts (docs/multi-turn.md): what continues a turn, the reply cap, the
+    tool and environment names."""
+    data, ro = cfg.data, cfg.rollout
+    for i, tool in enumerate(data.tools):
+        if isinstance(tool, str):
+            _require(
+                ":" in tool and all(tool.split(":", 1)),
+                f"data.tools[{i}]: {tool!r} must look like module:function",
+            )
+    if isinstance(data.environment, str):
+        _require(
+            ":" in data.environment and all(data.environment.split(":", 1)),
+            f"data.environment: {data.environment!r} must look like module:Class",
+        )
+    _require(
+        ro.max_turns == 1
+        or data.tools
+        or data.environment is not None
+        or data.task == "calculator",
+        f"rollout.max_turns: {ro.max_turns} turns need something to answer a turn: data.tools, "
+        "data.environment or a task with tools (calculator)",
+    )
+    limit = ro.max_tool_response_tokens
+    _require(
+        limit is None or limit >= 1,
+        f"rollout.max_tool_response_tokens: must be >= 1 (or null), got {limit}",
+    )

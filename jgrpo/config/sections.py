@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -51,7 +51,7 @@ class ModelConfig:
     """The policy model (and its reference copy)."""
 
     path: str = "builtin:tiny-qwen2"
-    """HF folder, `smollm2` (converted SmolLM2-135M-Instruct) or `builtin:tiny-qwen2`."""
+    """HF folder, hub id, `smollm2` (SmolLM2-135M-Instruct), `builtin:tiny-qwen2` (or `-chat`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -111,11 +111,73 @@ class RewardFunctionConfig:
         return getattr(self.function, "__name__", type(self.function).__name__)
 
 
+TaskName = Literal["arithmetic", "calculator", "countdown", "gsm8k", "prompts"]
+
+
+@dataclasses.dataclass(**_FROZEN)
+class ValSetConfig:
+    """One named held-out set of data.val_sets, with its own prompts and scoring (docs/dapo.md).
+
+    YAML `{name: path}` is short for `{name: {path: path}}`. A key left unset (null) takes
+    data's value, except the scoring keys `reward_functions` and `task_reward_weight`: a set
+    whose `task` differs from data.task is scored by its own task alone (no reward functions,
+    verifier weight 1) unless it gives them."""
+
+    SHORT_FORM: ClassVar[str] = "path"
+    """The field a bare value `{name: value}` sets."""
+
+    name: str
+    """The metric prefix val/<name>/: letters, digits, _ and - (not `val`)."""
+    path: str
+    """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id (as data.val_path)."""
+    task: Optional[TaskName] = None
+    """The set's prompts and verifier (null = data.task)."""
+    reward_functions: Optional[tuple[RewardFunctionConfig, ...]] = None
+    """The set's reward terms (null = data.reward_functions on data.task, none on another)."""
+    task_reward_weight: Optional[float] = None
+    """Weight of the set's verifier reward (null = data's on data.task, 1 on another)."""
+    num_examples: Optional[int] = None
+    """The set's first records used (null = data.num_val_examples)."""
+    dataset_config: Optional[str] = None
+    """Config (subset) of a hub dataset id (null = data.dataset_config)."""
+    prompt_key: Optional[str] = None
+    """Task prompts: the prompt column (null = data.prompt_key)."""
+    question_key: Optional[str] = None
+    """Field holding the question (null = data.question_key)."""
+    answer_key: Optional[str] = None
+    """Field holding the reference answer (null = data.answer_key)."""
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The DataConfig this set is read, prompted and scored with: data's, overridden by
+        the set's keys; its held-out records are `path`, it has no training data."""
+        own_task = self.task is None or self.task == data.task
+        inherited_rewards = data.reward_functions if own_task else ()
+        inherited_weight = data.task_reward_weight if own_task else 1.0
+        keys = ("task", "dataset_config", "prompt_key", "question_key", "answer_key")
+        given = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        return dataclasses.replace(
+            data,
+            **given,
+            train_path=None,
+            val_path=self.path,
+            num_val_examples=data.num_val_examples
+            if self.num_examples is None
+            else self.num_examples,
+            reward_functions=inherited_rewards
+            if self.reward_functions is None
+            else self.reward_functions,
+            task_reward_weight=inherited_weight
+            if self.task_reward_weight is None
+            else self.task_reward_weight,
+            val_sets=(),
+        )
+
+
 @dataclasses.dataclass(**_FROZEN)
 class DataConfig:
     """The task: where prompts come from and how completions are scored."""
 
-    task: Literal["arithmetic", "countdown", "gsm8k", "prompts"] = "arithmetic"
+    task: TaskName = "arithmetic"
     """Built-in task, or `prompts`: your dataset's prompt column scored by reward_functions."""
     train_path: Optional[str] = None
     """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
@@ -134,7 +196,9 @@ class DataConfig:
     num_terms: int = 2
     """Arithmetic: operands per expression."""
     max_operand: int = 99
-    """Arithmetic: operands are drawn from [0, max_operand]."""
+    """Arithmetic, calculator: operands are drawn from [min_operand, max_operand]."""
+    min_operand: int = 0
+    """Arithmetic, calculator: the smallest operand."""
     operators: str = "+-"
     """Arithmetic: characters drawn as operators, a subset of `+-*`."""
     countdown_num_numbers: int = 3
@@ -153,8 +217,16 @@ class DataConfig:
     """Importing the reward functions at start-up may take this long (then a ConfigError)."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
-    val_sets: tuple[tuple[str, str], ...] = ()
-    """More named held-out sets {name: path} (same formats and task), logged as val/<name>/."""
+    val_sets: tuple[ValSetConfig, ...] = ()
+    """More named held-out sets (val/<name>/...): {name: path} or {name: {path, task, ...}}."""
+    tools: tuple[Union[str, Callable[..., Any]], ...] = ()
+    """Tools the model may call: `module:function` (typed, with a docstring; or functions)."""
+    environment: Union[str, Callable[..., Any], None] = None
+    """`module:Class` with reset(**record) and step(text) (or a class); one per rollout row."""
+    tool_timeout_s: float = 10.0
+    """A tool call or environment step running past this fails (counted; an error message)."""
+    tool_processes: int = 2
+    """Child processes running tool calls and environment steps, rows split between them."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -203,8 +275,6 @@ class GRPOConfig:
     """Validate before the first step."""
     val_at_end: bool = True
     """Validate after the last step."""
-    val_pass_k: int = 1
-    """k of pass@k at validation (1 = greedy accuracy)."""
     val_num_generations: int = 1
     """n samples per held-out example at rollout.val_temperature (1 = off): mean@n, maj@n."""
     val_pass_at: tuple[int, ...] = (1,)
@@ -338,11 +408,17 @@ class RolloutConfig:
     val_temperature: Optional[float] = None
     """Temperature of the n validation samples (None = rollout.temperature)."""
     max_new_tokens: int = 256
-    """Completion length cap; rows hitting it are truncated."""
+    """Completion length cap (multi-turn: every turn and reply together); hitting it truncates."""
     prompt_bucket: int = 32
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
     shared_prefill: bool = False
     """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
+    max_turns: int = 1
+    """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
+    max_tool_response_tokens: Optional[int] = 256
+    """A tool result longer than this many tokens is cut (counted; None = no limit)."""
+    tool_call_format: Literal["hermes"] = "hermes"
+    """How tool calls are written: hermes = <tool_call>{"name", "arguments"}</tool_call>."""
 
 
 @dataclasses.dataclass(**_FROZEN)

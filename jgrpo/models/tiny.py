@@ -1,12 +1,14 @@
 """The built-in tiny model: a deterministic random Qwen2 and its character-level tokenizer.
 
-Owns what `builtin:tiny-qwen2` is made of and the tiny shapes tests and tools build:
-:func:`tiny_model_fields` (TransformerConfig fields of the tiny shape), :func:`tiny_qwen2_config`
-(its HF config.json), :func:`tiny_qwen2_weights` (seeded weights, HF names),
-:func:`build_tiny_model` (the whole HF folder, written atomically) and :func:`char_tokenizer` /
-:func:`save_char_tokenizer` (one token per byte). The same (seed, overrides) give the same bytes;
-:data:`TINY_VERSION` names the bytes of the defaults (the cache folder of `builtin:tiny-qwen2`,
-jgrpo.models.sources, carries it). numpy and tokenizers only: no jax, torch or transformers.
+Owns what `builtin:tiny-qwen2` and `builtin:tiny-qwen2-chat` (ChatML and tool tokens, the
+tool-aware template of jgrpo.models.chat_template) are made of and the tiny shapes tests and
+tools build: :func:`tiny_model_fields` (TransformerConfig fields of the tiny shape),
+:func:`tiny_qwen2_config` (its HF config.json), :func:`tiny_qwen2_weights` (seeded weights, HF
+names), :func:`build_tiny_model` (the whole HF folder, written atomically) and
+:func:`char_tokenizer` / :func:`save_char_tokenizer` (one token per byte). The same (seed,
+chat, overrides) give the same bytes; :data:`TINY_VERSION` names the bytes of the defaults (the
+cache folders of the built-ins, jgrpo.models.sources, carry it). numpy and tokenizers only: no
+jax, torch or transformers.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ TINY_VERSION = 1
 
 CHAR_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 """Special tokens of the tiny model's tokenizer: ids 0..3; byte b is id 4 + b."""
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+"""`chat=True`: ChatML's special tokens, ids 260, 261 (<|im_end|> is the EOS)."""
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""`chat=True`: ids 262..265, added but not special (decoding keeps them), as in Qwen."""
 
 # Init scales of the tiny model: large enough that logits are O(1) (std ~1), unlike the
 # 0.02 of real inits that makes a random model's distribution uniform to 1e-3.
@@ -38,11 +44,12 @@ def _byte_symbols() -> list[str]:
     return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
 
 
-def _char_vocab() -> list[str]:
-    return [*CHAR_SPECIAL_TOKENS, *_byte_symbols()]
+def _char_vocab(chat: bool = False) -> list[str]:
+    extra = [*CHAT_TOKENS, *TOOL_TOKENS] if chat else []
+    return [*CHAR_SPECIAL_TOKENS, *_byte_symbols(), *extra]
 
 
-def char_tokenizer():
+def char_tokenizer(chat: bool = False):
     """The tiny model's `tokenizers.Tokenizer`: one token per byte, so one per ASCII char.
 
     ids: <pad> 0, <eos> 1, <bos> 2, <unk> 3, then byte b -> 4 + b (260 in all). Decoding
@@ -51,10 +58,13 @@ def char_tokenizer():
     `qwen2` folder as Qwen2Tokenizer, which rebuilds the pipeline from the vocab as byte-level
     BPE (NFC, split, ByteLevel); this tokenizer is exactly what that rebuild gives, so
     `tokenizers` and `AutoTokenizer` agree. (A WordLevel char vocab loses spaces there.)
+    `chat=True` adds ChatML's and Qwen's tool tokens (CHAT_TOKENS, TOOL_TOKENS): each is one
+    token wherever it appears, so the tokenization of a concatenation is the concatenation of
+    the tokenizations (multi-turn reply ids rely on it).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(_char_vocab())}
+    vocab = {t: i for i, t in enumerate(_char_vocab(chat))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False, byte_fallback=False))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -62,29 +72,38 @@ def char_tokenizer():
     tok.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in CHAR_SPECIAL_TOKENS]
     )
+    if chat:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CHAT_TOKENS])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tok
 
 
-def save_char_tokenizer(out: str | Path, *, model_max_length: int = 256) -> None:
+def save_char_tokenizer(out: str | Path, *, model_max_length: int = 256, chat: bool = False):
     """Write tokenizer.json + tokenizer_config.json of :func:`char_tokenizer` into folder `out`.
 
     The config is what transformers 5's PreTrainedTokenizerFast.save_pretrained writes, so
-    `AutoTokenizer.from_pretrained(out)` loads it; no chat template.
+    `AutoTokenizer.from_pretrained(out)` loads it. No chat template, unless `chat`: then the EOS
+    is <|im_end|> and the config holds the tool-aware ChatML template
+    (`jgrpo.models.chat_template.TOOL_CHAT_TEMPLATE`).
     """
+    from jgrpo.models.chat_template import TOOL_CHAT_TEMPLATE
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(char_tokenizer().to_str(pretty=True))
+    (out / "tokenizer.json").write_text(char_tokenizer(chat).to_str(pretty=True))
+    chat_fields = {"chat_template": TOOL_CHAT_TEMPLATE} if chat else {}
     write_json(
         out / "tokenizer_config.json",
         {
             "backend": "tokenizers",
             "tokenizer_class": "TokenizersBackend",
             "bos_token": "<bos>",
-            "eos_token": "<eos>",
+            "eos_token": CHAT_TOKENS[1] if chat else "<eos>",
             "pad_token": "<pad>",
             "unk_token": "<unk>",
             "clean_up_tokenization_spaces": False,
             "model_max_length": model_max_length,
+            **chat_fields,
         },
     )
 
@@ -107,20 +126,21 @@ def tiny_model_fields(width: int = 32, vocab_size: int = 64, num_layers: int = 2
     )
 
 
-def tiny_qwen2_config(**overrides: Any) -> dict[str, Any]:
+def tiny_qwen2_config(*, chat: bool = False, **overrides: Any) -> dict[str, Any]:
     """config.json of the tiny Qwen2 (as transformers 5 writes it), with field overrides.
 
     Overridable: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
     intermediate_size, vocab_size, max_position_embeddings, rope_theta, rms_norm_eps,
-    tie_word_embeddings.
+    tie_word_embeddings. `chat`: the vocabulary of `char_tokenizer(chat=True)`, EOS <|im_end|>.
     """
+    size = len(_char_vocab(chat))
     fields: dict[str, Any] = dict(
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=128,
-        vocab_size=-(-len(_char_vocab()) // 8) * 8,
+        vocab_size=-(-size // 8) * 8,
         max_position_embeddings=256,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
@@ -130,14 +150,16 @@ def tiny_qwen2_config(**overrides: Any) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"tiny_qwen2_config: unknown fields {unknown}; allowed {sorted(fields)}")
     fields.update(overrides)
-    if fields["vocab_size"] < len(_char_vocab()):
-        raise ValueError(f"vocab_size {fields['vocab_size']} < tokenizer size {len(_char_vocab())}")
+    if fields["vocab_size"] < size:
+        raise ValueError(f"vocab_size {fields['vocab_size']} < tokenizer size {size}")
     if fields["hidden_size"] % fields["num_attention_heads"]:
         raise ValueError("hidden_size must be a multiple of num_attention_heads")
     if fields["num_attention_heads"] % fields["num_key_value_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     n_layers = fields["num_hidden_layers"]
     ids = {t: CHAR_SPECIAL_TOKENS.index(t) for t in ("<bos>", "<eos>", "<pad>")}
+    if chat:
+        ids["<eos>"] = _char_vocab(chat).index(CHAT_TOKENS[1])
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "attention_dropout": 0.0,
@@ -207,16 +229,17 @@ def tiny_qwen2_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.nd
 
 
 def build_tiny_model(
-    out: str | Path, seed: int = 0, *, overwrite: bool = False, **overrides: Any
+    out: str | Path, seed: int = 0, *, overwrite: bool = False, chat: bool = False, **overrides
 ) -> Path:
     """Write a tiny random Qwen2 HF folder (config, weights, char tokenizer) to `out`.
 
-    `overrides` are :func:`tiny_qwen2_config` fields (e.g. num_hidden_layers=4). The same
-    (seed, overrides) give the same bytes. Raises FileExistsError if `out` exists.
+    `overrides` are :func:`tiny_qwen2_config` fields (e.g. num_hidden_layers=4); `chat` gives
+    it the ChatML tokenizer with the tool-aware template (`builtin:tiny-qwen2-chat`). The same
+    (seed, chat, overrides) give the same bytes. Raises FileExistsError if `out` exists.
     """
     import safetensors.numpy
 
-    config = tiny_qwen2_config(**overrides)
+    config = tiny_qwen2_config(chat=chat, **overrides)
     weights = tiny_qwen2_weights(config, seed)
     with atomic_folder(out, overwrite=overwrite) as tmp:
         write_json(tmp / "config.json", config)
@@ -227,5 +250,5 @@ def build_tiny_model(
         safetensors.numpy.save_file(
             weights, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )
-        save_char_tokenizer(tmp, model_max_length=config["max_position_embeddings"])
+        save_char_tokenizer(tmp, model_max_length=config["max_position_embeddings"], chat=chat)
     return Path(out)

@@ -4,7 +4,7 @@
     backend.request(step, examples, gen_batch=0)  # ask for step's batch (may start at once)
     backend.collect(step, gen_batch=0) -> RolloutResult  # blocks until it is scored
                                                   # (gen_batch > 0: dynamic sampling's extras)
-    backend.evaluate(examples, step, pass_k)      # validation generations
+    backend.evaluate(examples, step, pass_k, val_set=None)  # validation generations
     backend.close()
 
 `rollout.backend: local` runs the engine in-process on the trainer's params;
@@ -21,7 +21,6 @@ from jgrpo.rollout.engine import (
     concat_results,
     load_tokenizer,
     step_key,
-    validation_metrics,
 )
 from jgrpo.rollout.local import LocalRollout
 
@@ -35,7 +34,6 @@ __all__ = [
     "concat_results",
     "load_tokenizer",
     "step_key",
-    "validation_metrics",
 ]
 
 
@@ -53,5 +51,8 @@ def make_backend(cfg, engine: RolloutEngine, graphdef, model_folder, frozen=None
         frozen=frozen,
         num_cpus_per_worker=cfg.rollout.num_cpus_per_worker,
         num_gpus_per_worker=cfg.rollout.num_gpus_per_worker,
-        reward_names=tuple(engine.task.reward_names),
+        reward_names={
+            name: tuple(engine.task_of(name).reward_names)
+            for name in (None, *engine.task.val_tasks)
+        },
     )

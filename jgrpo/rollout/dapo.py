@@ -9,9 +9,10 @@ All numpy on a rollout batch (the dict of `RolloutResult.batch`), no JAX:
   group's statistics: NeMo-RL's choice, its baseline is over every response).
 - `informative_groups(batch, on)`: per group id, whether its unshaped reward (or `correct`)
   is not all equal; `frac_zero_std(batch)` the fraction of groups where it is.
-- `select_groups(batches, num_groups, group_size)`: the step's P x G rows from the informative
-  groups of successive generation batches, in order (NeMo-RL: accumulate, slice); a shortfall
-  is filled with padding rows (group id -1, sample_mask 0: in no statistic and no loss).
+- `plan_groups(rows, num_groups, group_size)`: which rows of successive generation batches
+  make the step's P x G rows: the informative groups in order (NeMo-RL: accumulate, slice), a
+  shortfall filled with padding rows (group id -1, sample_mask 0: in no statistic and no loss);
+  `select_groups` applies it to one process's batches (a pod moves rows: rollout/exchange.py).
 """
 
 from __future__ import annotations
@@ -68,36 +69,58 @@ def frac_zero_std(batch: dict, on: str = "reward") -> float:
     return float(sum(not k for k in groups.values()) / max(len(groups), 1))
 
 
-def _pad_width(batch: dict, width: int) -> dict:
+def pad_width(batch: dict, width: int) -> dict:
+    """`batch` with its [B, T] arrays left-padded to `width` columns."""
     pad = width - batch["input_ids"].shape[1]
     if not pad:
         return batch
     return {k: np.pad(v, ((0, 0), (pad, 0))) if k in PADDED_KEYS else v for k, v in batch.items()}
 
 
+def join_batches(batches: list[dict]) -> dict:
+    """The rows of successive batches as one, left-padded to the widest; the keys all have."""
+    width = max(b["input_ids"].shape[1] for b in batches)
+    keys = [k for k in batches[0] if all(k in b for b in batches)]
+    padded = [pad_width({k: b[k] for k in keys}, width) for b in batches]
+    return {k: np.concatenate([b[k] for b in padded]) for k in keys}
+
+
+def plan_groups(
+    rows: list[dict], num_groups: int, group_size: int, on: str = "reward"
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(pick_b, group_b, kept) of the step's num_groups x group_size rows from successive
+    generation batches (`rows`: each batch's per-row arrays, group ids unique within a batch):
+    row b copies row pick_b[b] of the batches' rows concatenated and gets group id group_b[b].
+    The first num_groups informative groups in order (renumbered 0..), then padding rows
+    (copies of the first row, group id -1); kept = the informative groups used."""
+    picks, groups, kept, offset = [], [], 0, 0
+    for b in rows:
+        for gid, ok in informative_groups(b, on).items():
+            if ok and kept < num_groups:
+                r = np.flatnonzero(b["group_ids"] == gid)
+                picks.append(offset + r)
+                groups.append(np.full(len(r), kept))
+                kept += 1
+        offset += len(b["group_ids"])
+    missing = num_groups * group_size - sum(len(p) for p in picks)
+    picks.append(np.zeros(missing, np.int64))
+    groups.append(np.full(missing, -1))
+    return np.concatenate(picks).astype(np.int64), np.concatenate(groups).astype(np.int32), kept
+
+
+def relabel(batch: dict, group_b: np.ndarray) -> dict:
+    """In place (and returned): the planned group ids; padding rows (-1) get sample_mask 0, so
+    they are in no statistic and no loss."""
+    batch["group_ids"] = np.asarray(group_b, np.int32)
+    batch["sample_mask"] = np.where(group_b < 0, 0.0, batch["sample_mask"]).astype(np.float32)
+    return batch
+
+
 def select_groups(
     batches: list[dict], num_groups: int, group_size: int, on: str = "reward"
 ) -> tuple[dict, int]:
-    """(batch of num_groups x group_size rows, informative groups kept). Groups are renumbered
-    0.. in order; [B, T] arrays are left-padded to the widest batch; only keys every batch has
-    are kept."""
-    width = max(b["input_ids"].shape[1] for b in batches)
-    keys = [k for k in batches[0] if all(k in b for b in batches)]
-    parts, kept = [], 0
-    for b in batches:
-        b = _pad_width({k: b[k] for k in keys}, width)
-        for gid, ok in informative_groups(b, on).items():
-            if ok and kept < num_groups:
-                rows = np.flatnonzero(b["group_ids"] == gid)
-                part = {k: v[rows] for k, v in b.items()}
-                part["group_ids"] = np.full(len(rows), kept, np.int32)
-                parts.append(part)
-                kept += 1
-    missing = num_groups * group_size - sum(len(p["group_ids"]) for p in parts)
-    if missing:  # padding rows: copies of the first row, in no group and no loss
-        first = _pad_width({k: batches[0][k] for k in keys}, width)
-        filler = {k: np.repeat(v[:1], missing, axis=0) for k, v in first.items()}
-        filler["group_ids"] = np.full(missing, -1, np.int32)
-        filler["sample_mask"] = np.zeros(missing, np.float32)
-        parts.append(filler)
-    return {k: np.concatenate([p[k] for p in parts]) for k in keys}, kept
+    """(batch of num_groups x group_size rows, informative groups kept) of one process's
+    generation batches (`plan_groups` applied to `join_batches`)."""
+    pick_b, group_b, kept = plan_groups(batches, num_groups, group_size, on)
+    joined = join_batches(batches)
+    return relabel({k: v[pick_b] for k, v in joined.items()}, group_b), kept

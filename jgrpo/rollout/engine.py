@@ -7,9 +7,11 @@ the in-process backend samples from the trainer's own arrays and a Ray worker fr
 The batch it returns (numpy) holds the trainer's input, the fields of `jgrpo.batch.TrainBatch`
 (`RolloutResult.step_batch()`; group_ids = the prompt's index in the step), plus rollout
 statistics: weight_version [B] (the params version each row was sampled with), lengths [B],
-truncated [B] and correct [B].
-B = len(examples) x G; T = P + N with P the bucketed prompt width and N = max_new_tokens.
-"""
+truncated [B] and correct [B]. Every rollout runs the turn loop (`jgrpo.rollout.turns`): with one
+turn and no tools or environment it is the single-turn rollout; otherwise the completion region
+is a conversation (lengths count its generated and reply ids) and the batch adds the per-row
+counts `turns.ROW_COUNTS`. B = len(examples) x G; T = P + N with P the bucketed prompt width and
+N = max_new_tokens."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ import numpy as np
 from jgrpo import distributed, sampling
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
-from jgrpo.rollout import dapo
+from jgrpo.rollout import dapo, turns
+from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.dapo import PADDED_KEYS
+from jgrpo.tasks.child import OK, TIMEOUT
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -71,10 +75,17 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
-PHASE_KEYS = ("perf/sample_s", "perf/detokenize_s", "perf/reward_s", "perf/reward_model_s")
-"""Seconds of a rollout's phases: the sampler (tokens out, on the host), tokenizer decode of
-the completions, and reward scoring (the task's verifier, reward functions and models), of
-which the reward models' forwards (re-tokenising included)."""
+PHASE_KEYS = (
+    "perf/sample_s",
+    "perf/detokenize_s",
+    "perf/tools_s",
+    "perf/reward_s",
+    "perf/reward_model_s",
+)
+"""Seconds of a rollout's phases: the sampler (tokens out, on the host; every turn's), tokenizer
+decode of the completions, tool calls and environment steps with the replies' ids (multi-turn
+only), and reward scoring (the task's verifier, reward functions and models), of which the
+reward models' forwards (re-tokenising included)."""
 
 
 def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, float]:
@@ -96,6 +107,7 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         stats["reward/accuracy"] = float(batch["correct"].mean())
     if "reward_overlong" in batch:
         stats["reward/overlong/mean"] = float(batch["reward_overlong"].astype(np.float64).mean())
+    stats |= turns.row_counts_stats(batch)  # multi-turn batches only
     terms = batch.get("reward_terms")
     for f, name in enumerate(reward_names):
         column = terms[:, f].astype(np.float64)
@@ -146,11 +158,30 @@ class RolloutEngine:
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.task = task
-        if getattr(task, "needs_chat_template", False) and not tokenizer.chat_template:
+        tasks = {"data": task, **{f"data.val_sets.{k}": v for k, v in task.val_tasks.items()}}
+        for where, t in tasks.items():
+            if getattr(t, "needs_chat_template", False) and not tokenizer.chat_template:
+                what = (
+                    f"{where}.prompt_key: the dataset has chat-message prompts"
+                    if t.cfg.task == "prompts"
+                    else f"{where}.task: the {t.cfg.task} task's prompts are chat messages"
+                )
+                raise ConfigError(
+                    f"{what} but the tokenizer of model.path {cfg.model.path!r} has no chat "
+                    "template"
+                )
+        runner = task.tool_runner
+        self.turn_settings = turns.TurnSettings.from_config(
+            cfg, tools=bool(runner.tools), environment=runner.environment is not None
+        )
+        self.multi_turn = cfg.rollout.max_turns > 1 or runner.active
+        """Tools, an environment or several turns: conversations, not single completions."""
+        if self.multi_turn and not tokenizer.chat_template:
             raise ConfigError(
-                f"data.prompt_key: the dataset has chat-message prompts but the tokenizer of "
-                f"model.path {cfg.model.path!r} has no chat template"
+                "rollout.max_turns / data.tools / data.environment: multi-turn rollouts need a "
+                f"chat template, and the tokenizer of model.path {cfg.model.path!r} has none"
             )
+        self._chat: ChatFormat | None = None
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         self.train_params = sampling.SamplingParams.from_rollout_config(
@@ -168,9 +199,46 @@ class RolloutEngine:
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompts(self, examples) -> tuple[list[str], list[list[int]]]:
-        texts = [self.task.format_prompt(ex, self.tokenizer) for ex in examples]
+    def prompts(self, examples, observations=None, task=None) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, token ids) of `examples` in `task`'s format (default: the run's);
+        multi-turn prompts carry the tools' schemas, and each an environment's first
+        observation when `observations` are given (one per example)."""
+        task = task or self.task
+        observations = observations or [None] * len(examples)
+        tools = self.task.tool_runner.schemas or None if self.multi_turn else None
+        texts = [
+            task.format_prompt(ex, self.tokenizer, tools, obs)
+            for ex, obs in zip(examples, observations)
+        ]
         return texts, [list(self._encode(t)) for t in texts]
+
+    def task_of(self, val_set: str | None):
+        """The Task that prompts and scores `val_set` (None: the run's own task)."""
+        return self.task if val_set is None else self.task.val_tasks[val_set]
+
+    @property
+    def chat(self) -> ChatFormat:
+        """Reply ids under the tokenizer's template (built on first use: needs the schemas)."""
+        if self._chat is None:
+            tools = self.task.tool_runner.schemas or None
+            spec = sampling.make_decode_spec(self.model_cfg, self.train_params)
+            self._chat = ChatFormat(self.tokenizer, spec.stop_token_ids, tools)
+        return self._chat
+
+    def reset_environments(
+        self, examples, task=None
+    ) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+        """A fresh environment per row: (first observations, reset ok bool[B], errors int32[B],
+        timeouts int32[B]) of reset(**record) (`task.columns`; default: the run's task)."""
+        task = task or self.task
+        runner = self.task.tool_runner
+        ops = [("clear", -1, None)]
+        ops += [("reset", b, task.columns(ex)) for b, ex in enumerate(examples)]
+        results = runner.run(ops)[1:]
+        ok = np.asarray([status == OK for status, _ in results], bool)
+        observations = [value if good else None for good, (_, value) in zip(ok, results)]
+        timeouts = np.asarray([status == TIMEOUT for status, _ in results], np.int32)
+        return observations, ok, (~ok).astype(np.int32), timeouts
 
     def rollout(
         self,
@@ -183,65 +251,96 @@ class RolloutEngine:
         greedy=False,
         first_prompt: int = 0,
         training: bool = True,
+        val_set: str | None = None,
     ) -> RolloutResult:
         """Sample `num_generations` completions per example and score them; a `training`
         batch also gets DAPO's overlong shaping and filtering (`dapo.shape_training_batch`).
+        `val_set`: the examples are that data.val_sets entry's, prompted and scored by its task.
 
         `first_prompt`: index of examples[0] in the whole step, when a step is split over
         workers; row draws depend on the global row index only, so the parts concatenated
         (`concat_results`) equal the unsplit batch."""
-        texts, token_lists = self.prompts(examples)
+        task = self.task_of(val_set)
         rows = [i for i in range(len(examples)) for _ in range(num_generations)]
+        row_examples = [examples[i] for i in rows]
         if greedy:
             params_s = self.greedy_params
         else:
             params_s = self.train_params if training else self.val_params
+        env = self.turn_settings.environment
+        reset_s = time.perf_counter()
+        if env:  # one environment per row: its first observation is part of the row's prompt
+            observations, env_ok, env_errors, env_timeouts = self.reset_environments(
+                row_examples, task
+            )
+            reset_s = time.perf_counter() - reset_s
+            row_texts, row_ids = self.prompts(row_examples, observations, task)
+        else:
+            texts, token_lists = self.prompts(examples, task=task)
+            row_texts, row_ids = [texts[i] for i in rows], [token_lists[i] for i in rows]
+            env_ok, reset_s = None, 0.0
         start = time.perf_counter()
-        gen = sampling.generate(
+        shared = self.cfg.rollout.shared_prefill and not env  # observations may differ by row
+        conv = turns.run_turns(
             (graphdef, params),
-            [token_lists[i] for i in rows],
+            row_ids,
             params_s,
             key,
+            self.turn_settings,
+            self.tokenizer,
             first_row=first_prompt * num_generations,
-            group_size=num_generations if self.cfg.rollout.shared_prefill else 1,
+            group_size=num_generations if shared else 1,
+            chat=self.chat if self.multi_turn else None,
+            runner=self.task.tool_runner,
+            environment_ok=env_ok,
         )
-        sampled = time.perf_counter()
-        completions = [
-            self.tokenizer.decode(gen.tokens[b, : gen.lengths[b]], skip_special_tokens=True)
-            for b in range(len(rows))
-        ]
-        row_examples = [examples[i] for i in rows]
+        looped = time.perf_counter()
+        completions = conv.texts
         # the stop token included (TRL's completion_ids): len = lengths[b] = L of the overlong term
-        completion_ids = [gen.tokens[b, : gen.lengths[b]].tolist() for b in range(len(rows))]
+        completion_ids = [conv.tokens[b, : conv.lengths[b]].tolist() for b in range(len(rows))]
         decoded = time.perf_counter()
-        rewards, info = self.task.score(
-            [texts[i] for i in rows], completions, row_examples, completion_ids
+        rewards, info = task.score(
+            row_texts,
+            completions,
+            row_examples,
+            completion_ids,
+            conversations=conv.messages if self.multi_turn else None,
+            environment_rewards=conv.environment_rewards if env else None,
         )
         scored = time.perf_counter()
-        batch = assemble_batch(gen, rows, rewards, version)
+        batch = assemble_batch(conv, rows, rewards, version, generated=conv.generated)
+        if self.multi_turn:
+            batch.update(conv.counts)
+            if env:
+                batch["environment_errors"] = batch["environment_errors"] + env_errors
+                batch["environment_timeouts"] = batch["environment_timeouts"] + env_timeouts
         batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
-        names = tuple(self.task.reward_names)
+        names = tuple(task.reward_names)
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
-        elif (votes := self.task.votes(completions)) is not None:
+        elif (votes := task.votes(completions)) is not None:
             batch["vote_ids"] = vote_ids(votes)
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
             "reward/num_timeouts": float(info["num_reward_timeouts"]),
             "reward/num_none": float(info["num_reward_none"]),
-            "perf/sample_s": sampled - start,
-            "perf/detokenize_s": decoded - sampled,
+            "perf/sample_s": looped - start - conv.decode_s - conv.tools_s,
+            "perf/detokenize_s": decoded - looped + conv.decode_s,
             "perf/reward_s": scored - decoded,
             "perf/reward_model_s": float(info.get("reward_model_s", 0.0)),
         }
+        if self.multi_turn:
+            counts["perf/tools_s"] = reset_s + conv.tools_s
+            # the whole conversation after the prompt, special tokens shown
+            completions = [self.tokenizer.decode(ids) for ids in completion_ids]
         samples = [
             {
-                "prompt": texts[rows[b]],
+                "prompt": row_texts[b],
                 "completion": completions[b],
                 "reward": float(batch["rewards"][b]),
                 **{
@@ -264,19 +363,22 @@ def _or_none(value) -> float | None:
     return None if np.isnan(value) else float(value)
 
 
-def assemble_batch(gen: sampling.Generation, rows, rewards, version: int) -> dict:
-    """Prompt ++ completion arrays: the TrainBatch fields plus the rollout statistics."""
+def assemble_batch(gen, rows, rewards, version: int, generated=None) -> dict:
+    """Prompt ++ completion arrays of a `sampling.Generation` (or `turns.Conversations`): the
+    TrainBatch fields plus the rollout statistics. `generated` [B, N] (multi-turn): which
+    completion ids the sampler generated; the loss mask is 0 on the others (replies)."""
     b, n = gen.tokens.shape
     p = gen.prompt_tokens.shape[1]
     prompt_mask = np.arange(p)[None, :] >= (p - gen.prompt_lengths[:, None])
     gen_mask = np.arange(n)[None, :] < gen.lengths[:, None]
-    token_mask = np.concatenate([np.zeros((b, p), bool), gen_mask], axis=1)
+    loss_mask = gen_mask if generated is None else gen_mask & generated
+    token_mask = np.concatenate([np.zeros((b, p), bool), loss_mask], axis=1)
     return {
         "input_ids": np.concatenate([gen.prompt_tokens, gen.tokens], axis=1).astype(np.int32),
         "attention_mask": np.concatenate([prompt_mask, gen_mask], axis=1).astype(np.float32),
         "token_mask": token_mask.astype(np.float32),
         "generation_logprobs": np.concatenate(
-            [np.zeros((b, p), np.float32), np.where(gen_mask, gen.logprobs, 0.0)], axis=1
+            [np.zeros((b, p), np.float32), np.where(loss_mask, gen.logprobs, 0.0)], axis=1
         ).astype(np.float32),
         "rewards": np.asarray(rewards, np.float32),
         "group_ids": np.asarray(rows, np.int32),
@@ -295,19 +397,6 @@ def train_salt(gen_batch: int) -> int:
     """step_key salt of a step's `gen_batch`-th generation batch: 0 for the first (dynamic
     sampling draws more), VALIDATION_SALT + gen_batch after it."""
     return 0 if gen_batch == 0 else VALIDATION_SALT + gen_batch
-
-
-def validation_metrics(result: RolloutResult, num_examples: int, pass_k: int) -> dict:
-    """Held-out metrics of an `evaluate` result: an example counts as solved when any of its
-    pass_k samples (rows are example-major) is correct."""
-    metrics = {
-        "val/reward_mean": float(result.batch["rewards"].mean()),
-        "val/length_mean": float(result.batch["lengths"].mean()),
-    }
-    if "correct" in result.batch:  # tasks with a verifier
-        correct = result.batch["correct"].reshape(num_examples, pass_k)
-        metrics["val/accuracy"] = float(correct.any(axis=1).mean())
-    return metrics
 
 
 def step_key(seed: int, step: int, salt: int = 0):

@@ -75,16 +75,20 @@ class LocalRollout:
             return result
         return join_pod_slice(result, group_offset=first)
 
-    def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
+    def evaluate(
+        self, examples: list, step: int, pass_k: int = 1, val_set: str | None = None
+    ) -> RolloutResult:
+        """Validation generations (greedy when pass_k == 1) of `examples`, prompted and scored
+        by the run's task or by the data.val_sets entry `val_set`."""
         key = step_key(self.seed, step, salt=VALIDATION_SALT)
         lo, hi = distributed.process_slice(len(examples))
         if not distributed.is_multiprocess():
-            return self._evaluate(examples, key, pass_k, 0)
-        names = tuple(self.engine.task.reward_names)
-        result = self._evaluate(examples[lo:hi], key, pass_k, lo) if hi > lo else None
+            return self._evaluate(examples, key, pass_k, 0, val_set)
+        names = tuple(self.engine.task_of(val_set).reward_names)
+        result = self._evaluate(examples[lo:hi], key, pass_k, lo, val_set) if hi > lo else None
         return gather_pod_rows(result, names)  # None: fewer examples than hosts, none here
 
-    def _evaluate(self, examples: list, key, pass_k: int, first: int) -> RolloutResult:
+    def _evaluate(self, examples: list, key, pass_k: int, first: int, val_set) -> RolloutResult:
         return self.engine.rollout(
             self.graphdef,
             self._model_params(),
@@ -95,6 +99,7 @@ class LocalRollout:
             greedy=pass_k == 1,
             first_prompt=first,
             training=False,
+            val_set=val_set,
         )
 
     def _model_params(self):

@@ -105,6 +105,22 @@ def _driver_paths() -> dict[str, str]:
     return {"PYTHONPATH": path} if path else {}
 
 
+_WORKER_OWNED_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count",
+    "--xla_cpu_multi_thread_eigen",
+    "intra_op_parallelism_threads",
+)
+"""XLA flags a worker sets for itself (its device count and threads); the driver's others pass."""
+
+
+def _driver_xla_flags() -> list[str]:
+    """The driver's XLA_FLAGS less the ones a worker sets itself: a worker compiles the sampler as
+    the driver compiles it (optimisation level, precision and debug flags), so the rollouts of
+    Ray workers and of the in-process sampler agree token for token and logprob for logprob."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return [f for f in flags if not f.startswith(_WORKER_OWNED_XLA_FLAGS)]
+
+
 def worker_resources(
     num_workers: int,
     cpus: Optional[float] = None,
@@ -129,9 +145,11 @@ def worker_resources(
             # + num_drivers: the trainer processes
             cpus = float(max(1, int(total_cpus // (num_workers + num_drivers))))
     threads = max(1, int(cpus))
-    flags = "--xla_cpu_multi_thread_eigen=false" if threads == 1 else ""
+    flags = _driver_xla_flags()
+    if threads == 1:
+        flags.append("--xla_cpu_multi_thread_eigen=false")
     env = _driver_paths() | {
-        "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}".strip(),
+        "XLA_FLAGS": " ".join([*flags, f"intra_op_parallelism_threads={threads}"]),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
     }
@@ -213,17 +231,7 @@ class RolloutWorker:
         return os.getpid()
 
     def rollout(
-        self,
-        version: int,
-        params_box: list,
-        examples: list,
-        seed: int,
-        step: int,
-        salt: int,
-        num_generations: int,
-        greedy: bool,
-        first_prompt: int,
-        frozen_box: Optional[list] = None,
+        self, version: int, params_box: list, job: _Job, seed: int, frozen_box=None
     ) -> RolloutResult:
         pull_s = 0.0
         if frozen_box is not None and self.frozen is None:
@@ -237,17 +245,17 @@ class RolloutWorker:
             self.version = version
             pull_s += time.perf_counter() - start
         start = time.perf_counter()
-        key = step_key(seed, step, salt)
         result = self.engine.rollout(
             self.graphdef,
             self.params if self.frozen is None else self.frozen | self.params,
-            examples,
-            key,
+            job.examples,
+            step_key(seed, job.step, job.salt),
             version,
-            num_generations,
-            greedy=greedy,
-            first_prompt=first_prompt,
-            training=salt != VALIDATION_SALT,
+            job.num_generations,
+            greedy=job.greedy,
+            first_prompt=job.first_prompt,
+            training=job.salt != VALIDATION_SALT,
+            val_set=job.val_set,
         )
         result.stats["rollout/weight_pull_s"] = pull_s
         result.stats["rollout/generate_s"] = time.perf_counter() - start
@@ -266,6 +274,7 @@ class _Job:
     greedy: bool
     max_staleness: Optional[int]  # None: no bound (validation uses the newest weights)
     first_prompt: int = 0  # index of examples[0] within the whole step
+    val_set: Optional[str] = None  # validation of this data.val_sets entry (its task)
 
 
 class RayRollout:
@@ -279,11 +288,11 @@ class RayRollout:
         frozen=None,
         num_cpus_per_worker: Optional[float] = None,
         num_gpus_per_worker: Optional[float] = None,
-        reward_names: tuple[str, ...] = (),
+        reward_names: Optional[dict] = None,
     ):
         ro = cfg.rollout
         self.pod = distributed.is_multiprocess()
-        self.reward_names = tuple(reward_names)
+        self.reward_names = dict(reward_names or {None: ()})  # None: the run's; a val set's
         self.cfg = cfg
         self.model_folder = str(model_folder)
         self.seed = cfg.grpo.seed
@@ -400,14 +409,19 @@ class RayRollout:
         self._requested.discard(name)
         return result
 
-    def evaluate(self, examples: list, step: int, pass_k: int = 1) -> RolloutResult:
-        """Validation generations with the newest weights (greedy when pass_k == 1), blocking."""
+    def evaluate(
+        self, examples: list, step: int, pass_k: int = 1, val_set: Optional[str] = None
+    ) -> RolloutResult:
+        """Validation generations with the newest weights (greedy when pass_k == 1), blocking;
+        `val_set`: a data.val_sets entry's examples, prompted and scored by its task."""
         name = ("eval", self._num_evals, 0)
         self._num_evals += 1
         lo, hi = distributed.process_slice(len(examples))
-        jobs = self._split(name, step, examples[lo:hi], VALIDATION_SALT, pass_k, pass_k == 1, lo)
+        jobs = self._split(
+            name, step, examples[lo:hi], VALIDATION_SALT, pass_k, pass_k == 1, lo, val_set
+        )
         self._queue[:0] = jobs
-        return self._gather(name)
+        return self._gather(name, val_set)
 
     def close(self) -> None:
         for worker in self._workers:
@@ -467,7 +481,9 @@ class RayRollout:
         ray.kill(self._workers[i], no_restart=True)  # it may still be alive after an exception
         self._start_worker(i)
 
-    def _split(self, name, step, examples, salt, num_generations, greedy, first=0) -> list[_Job]:
+    def _split(
+        self, name, step, examples, salt, num_generations, greedy, first=0, val_set=None
+    ) -> list[_Job]:
         """One job per worker over contiguous prompt ranges (per-row keys: same draws);
         `first`: the index of examples[0] in the whole step (a pod host's slice)."""
         bounds = np.linspace(0, len(examples), min(len(self._workers), len(examples)) + 1)
@@ -483,13 +499,14 @@ class RayRollout:
                 greedy,
                 staleness,
                 first_prompt=first + int(lo),
+                val_set=val_set,
             )
             for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))
         ]
         self._parts[name] = jobs
         return jobs
 
-    def _gather(self, name: tuple) -> RolloutResult:
+    def _gather(self, name: tuple, val_set: Optional[str] = None) -> RolloutResult:
         """Wait for every part of `name` and join them in row order."""
         jobs = self._parts.pop(name)
         parts = [self._wait_for(job.name) for job in jobs]
@@ -498,7 +515,7 @@ class RayRollout:
             if name[0] == "train":
                 result = join_pod_slice(result)
             else:
-                result = gather_pod_rows(result, self.reward_names)
+                result = gather_pod_rows(result, self.reward_names[val_set])
         staleness = name[1] - result.batch["weight_version"].astype(np.int64)
         if name[0] == "train":
             result.stats["rollout/staleness_max"] = float(staleness.max())
@@ -541,18 +558,8 @@ class RayRollout:
             if not idle:
                 return
             w = idle[0]
-            out = self._workers[w].rollout.remote(
-                version,
-                [ref],
-                job.examples,
-                self.seed,
-                job.step,
-                job.salt,
-                job.num_generations,
-                job.greedy,
-                job.first_prompt,
-                None if self._frozen_ref is None else [self._frozen_ref],
-            )
+            frozen = None if self._frozen_ref is None else [self._frozen_ref]
+            out = self._workers[w].rollout.remote(version, [ref], job, self.seed, frozen)
             self._running[out] = (w, job, version)
             self._queue.remove(job)
             busy.add(w)

@@ -7,12 +7,11 @@
     rewards_n, info = task.score(prompts, completions, examples, completion_ids)
     task.val                                            # fixed held-out list[Example]
 
-Example fields (plain dicts): `id` ("train/17", "val/3"), `task`; built-in tasks add
-`question`, `answer` (the reference: a number string for arithmetic/gsm8k, a solution
-expression for countdown, possibly "" from files); gsm8k/file records add `solution`;
-countdown adds `numbers` (list[int]) and `target` (int); task `prompts` adds `row` (the
-dataset record). Bare prompts: arithmetic "12+34-5=" -> "41", countdown "3,5,2:16=" ->
-"(3+5)*2", gsm8k "Q: {question}\\nA:" -> " {solution without <<..>>, ending '#### N'}"."""
+Example fields: `id` ("train/17"), `task`; built-in tasks add `question`, `answer` (a number
+string, a countdown solution, possibly "" from files); gsm8k/file records add `solution`,
+countdown `numbers` and `target`, task `prompts` `row` (the record). Bare prompts: arithmetic
+"12+34-5=" -> "41", countdown "3,5,2:16=" -> "(3+5)*2", gsm8k "Q: {question}\\nA:" ->
+" {solution without <<..>>, ending '#### N'}"; calculator has none (chat, with a tool)."""
 
 from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
 from jgrpo.tasks.rewards import RewardRunner, import_reward_function

@@ -21,29 +21,31 @@ class ArithmeticTask:
     """Prompts, references and the verifier of the arithmetic task."""
 
     name = "arithmetic"
-    space_keys = ("max_operand", "num_terms", "operators")
+    space_keys = ("max_operand", "num_terms", "operators", "min_operand")
     """DataConfig fields that set `space_size`."""
 
     def __init__(self, cfg: DataConfig):
         ops = cfg.operators
         if not ops or not set(ops) <= set("+-*"):
             raise ConfigError(f"data.operators: {ops!r} must be a non-empty subset of '+-*'")
-        if cfg.num_terms < 1 or cfg.max_operand < 0:
-            raise ConfigError("data.num_terms must be >= 1 and data.max_operand >= 0")
+        if cfg.num_terms < 1 or not 0 <= cfg.min_operand <= cfg.max_operand:
+            raise ConfigError(
+                "data.num_terms must be >= 1 and 0 <= data.min_operand <= data.max_operand"
+            )
         self.operators = sorted(set(ops))
         self.num_terms = cfg.num_terms
+        self.min_operand = cfg.min_operand
         self.max_operand = cfg.max_operand
 
     @property
     def space_size(self) -> int:
         """Distinct questions the generator can draw (all equally likely)."""
-        return (self.max_operand + 1) ** self.num_terms * len(self.operators) ** (
-            self.num_terms - 1
-        )
+        operands = self.max_operand - self.min_operand + 1
+        return operands**self.num_terms * len(self.operators) ** (self.num_terms - 1)
 
     def generate(self, rng: np.random.Generator) -> tuple[tuple, Example]:
         """(dedup key, example) drawn uniformly; the id is filled in by the caller."""
-        operands = rng.integers(0, self.max_operand + 1, size=self.num_terms)
+        operands = rng.integers(self.min_operand, self.max_operand + 1, size=self.num_terms)
         ops = rng.choice(self.operators, size=self.num_terms - 1)
         question = str(operands[0]) + "".join(f"{op}{x}" for op, x in zip(ops, operands[1:]))
         value, _ = evaluate_expression(question)

@@ -11,23 +11,15 @@ Functions run in a child process (`python -c`, nothing forked; given as `module:
 cloudpickled objects): `RewardRunner.start` imports/unpickles and checks every function under
 data.reward_import_timeout_s before any model loads (a failing import is a ConfigError naming
 it); each call runs under a SIGALRM timer of data.reward_timeout_s, and a hang that ignores
-signals is killed by the parent after `reward_timeout_s + _KILL_SLACK_S` (the child restarts,
+signals is killed by the parent after `reward_timeout_s + KILL_SLACK_S` (the child restarts,
 unfinished work is resubmitted). docs/rewards.md: the full rules, per-sample timeouts too."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-import mmap
-import os
-import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,50 +27,31 @@ from typing import Any
 import numpy as np
 
 from jgrpo.config import ConfigError, RewardFunctionConfig
+from jgrpo.tasks.child import (  # noqa: F401 - OK .. NONE: RewardRunner.run's status codes
+    ERROR,
+    KILL_SLACK_S,
+    NONE,
+    OK,
+    PROGRESS,
+    TIMEOUT,
+    CallTimeout,
+    Child,
+    LoadError,
+    StartFailure,
+    attach,
+    describe,
+    import_object,
+    load_all,
+    object_payload,
+)
 
-OK, ERROR, TIMEOUT, NONE = 0, 1, 2, 3
-"""Per-sample status codes returned by `RewardRunner.run` (NONE: the function returned None)."""
-
-_KILL_SLACK_S = 1.0
-"""Extra seconds past the timeout before the parent kills a child that ignores SIGALRM."""
-_STARTUP_TIMEOUT_S = 120.0
-"""A child that has not begun importing the reward functions after this long is killed."""
-_PROGRESS = struct.Struct("<ddd")  # (function index, sample index, start time; 0 = idle)
-_NEVER = -2  # function index before a child's first import; -1 = idle between functions
-_IMPORTING = -3  # sample index while function f is being imported
 _RESERVED = ("prompts", "completions", "completion_ids")
-
-
-class _LoadError(Exception):
-    """A reward function cannot be used; the message names it and says why."""
-
-
-def describe(function: str | Callable) -> str:
-    """How messages name a reward function: the spec string, or the function's name."""
-    if isinstance(function, str):
-        return repr(function)
-    return f"function {getattr(function, '__qualname__', repr(function))!r}"
-
-
-def _import(spec: str) -> Callable:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise _LoadError(f"{spec!r} must look like module:function")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except _Timeout:
-        raise
-    except BaseException as e:  # noqa: BLE001 - any import-time failure is a config error
-        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise _LoadError(f"cannot import {spec!r} ({detail})") from None
-    return obj
+_WHAT = "the reward process"
 
 
 def _check_signature(fn: Any, name: str, per_sample: bool) -> None:
     if not callable(fn):
-        raise _LoadError(f"{name} is not callable (got {type(fn).__name__})")
+        raise LoadError(f"{name} is not callable (got {type(fn).__name__})")
     try:
         sig = inspect.signature(fn)
     except ValueError:  # builtins without a signature: trust them
@@ -97,95 +70,26 @@ def _check_signature(fn: Any, name: str, per_sample: bool) -> None:
             if per_sample
             else "prompts=, completions= and **kwargs (TRL's reward signature)"
         )
-        raise _LoadError(f"{name} must accept {want}") from None
+        raise LoadError(f"{name} must accept {want}") from None
 
 
 def import_reward_function(spec: str, key: str, per_sample: bool = False) -> Callable:
     """Import `module:function` in this process and check its signature; ConfigError naming
     `key`. (The trainer does this in the reward child instead, see `RewardRunner.start`.)"""
     try:
-        fn = _import(spec)
+        fn = import_object(spec)
         _check_signature(fn, repr(spec), per_sample)
-    except _LoadError as e:
+    except LoadError as e:
         raise ConfigError(f"{key}: {e}") from None
     return fn
 
 
 def _payload(rf: RewardFunctionConfig, key: str) -> tuple:
-    """What the child needs to load one function: ("import", spec) or ("pickle", bytes)."""
-    if isinstance(rf.function, str):
-        return ("import", rf.function, rf.per_sample)
-    import cloudpickle
-
-    try:
-        blob = cloudpickle.dumps(rf.function)
-    except Exception as e:  # noqa: BLE001
-        detail = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        raise ConfigError(
-            f"{key}: cannot send {describe(rf.function)} to the reward process ({detail})"
-        ) from None
-    return ("pickle", blob, rf.per_sample)
+    """What the child needs to load one function: (how, spec or bytes, per_sample)."""
+    return (*object_payload(rf.function, key, _WHAT), rf.per_sample)
 
 
 # ----------------------------------------------------------------------------- the child
-
-_BOOTSTRAP = (  # stdlib only until sys.path is the parent's
-    "import sys, signal\n"
-    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-    "from multiprocessing.connection import Connection\n"
-    "conn = Connection(int(sys.argv[1]), writable=False)\n"
-    "init = conn.recv()\n"
-    "sys.path[:] = init['sys_path']\n"
-    "try:\n"
-    "    from jgrpo.tasks.rewards import serve\n"
-    "    serve(conn, int(sys.argv[2]), init)\n"
-    "except BaseException as e:\n"
-    "    sys.stderr.write(f'jgrpo reward process stopped: {type(e).__name__}: {e}\\n')\n"
-    "    sys.exit(1)\n"
-)
-
-
-class _Timeout(BaseException):
-    """Raised by SIGALRM inside a reward call; BaseException so `except Exception` can't eat it."""
-
-
-def _on_alarm(signum, frame):
-    raise _Timeout()
-
-
-def _load_all(specs, progress, import_timeout_s: float):
-    """(functions, errors [(index, message)]) of the child's start-up: import under a timer."""
-    import signal
-
-    fns, errors = [], []
-    for f, (how, payload, per_sample) in enumerate(specs):
-        _PROGRESS.pack_into(progress, 0, f, _IMPORTING, time.monotonic())
-        name = repr(payload) if how == "import" else "the pickled function"
-        fn = None
-        try:
-            signal.setitimer(signal.ITIMER_REAL, import_timeout_s)
-            try:
-                if how == "import":
-                    fn = _import(payload)
-                else:
-                    import cloudpickle
-
-                    fn = cloudpickle.loads(payload)
-                    name = describe(fn)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            _check_signature(fn, name, per_sample)
-        except _Timeout:
-            errors.append((f, f"loading {name} did not finish within {import_timeout_s:g} s"))
-            break  # a hung import may have left the interpreter in any state
-        except _LoadError as e:
-            errors.append((f, str(e)))
-        except BaseException as e:  # noqa: BLE001 - unpickling runs user code too
-            detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            errors.append((f, f"cannot load {name} ({detail})"))
-        fns.append(fn)
-    _PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
-    return fns, errors
 
 
 def _batch_result(out: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -223,17 +127,9 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
     until the pipe closes."""
     import signal
 
-    try:  # die with the parent even when stuck in C code (Linux only; best effort)
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001
-        pass
-    out = Connection(write_fd, readable=False)
-    progress = mmap.mmap(init["progress_fd"], _PROGRESS.size)
-    signal.signal(signal.SIGALRM, _on_alarm)
+    out, progress = attach(write_fd, init)
     specs = init["specs"]
-    fns, errors = _load_all(specs, progress, init["import_timeout_s"])
+    fns, errors = load_all(specs, progress, init["import_timeout_s"], _check_signature)
     out.send(("ready", errors))
     timeout_s = init["timeout_s"]
     while True:
@@ -248,7 +144,7 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                     fns[f], f, start, stop, prompts, completions, records, progress, timeout_s
                 )
             else:
-                _PROGRESS.pack_into(progress, 0, f, start, time.monotonic())
+                PROGRESS.pack_into(progress, 0, f, start, time.monotonic())
                 kwargs = _columns(records, start, stop)
                 if completion_ids is not None:
                     kwargs["completion_ids"] = completion_ids[start:stop]
@@ -263,12 +159,12 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                     finally:
                         signal.setitimer(signal.ITIMER_REAL, 0)
                     values, status = _batch_result(result, stop - start)
-                except _Timeout:
+                except CallTimeout:
                     values, status = np.zeros(stop - start), np.full(stop - start, TIMEOUT, np.int8)
                 except BaseException:  # noqa: BLE001 - any failure of user code scores 0
                     values, status = np.zeros(stop - start), np.full(stop - start, ERROR, np.int8)
             out.send((f, start, values, status))
-            _PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
+            PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
 
 
 def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress, timeout_s):
@@ -281,7 +177,7 @@ def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress,
         if hung:
             status[i - start] = TIMEOUT
             continue
-        _PROGRESS.pack_into(progress, 0, f, i, time.monotonic())
+        PROGRESS.pack_into(progress, 0, f, i, time.monotonic())
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout_s)
             try:
@@ -292,7 +188,7 @@ def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress,
             if not math.isfinite(value):
                 raise ValueError(f"non-finite reward {value}")
             values[i - start] = value
-        except _Timeout:
+        except CallTimeout:
             status[i - start] = TIMEOUT
             hung = True
         except BaseException:  # noqa: BLE001 - any failure of user code scores 0
@@ -301,89 +197,6 @@ def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress,
 
 
 # ----------------------------------------------------------------------------- the parent
-
-
-class _Child:
-    """One running child process and its pipes."""
-
-    def __init__(self, payloads: Sequence[tuple], timeout_s: float, import_timeout_s: float):
-        self._progress_file = tempfile.TemporaryFile()
-        self._progress_file.write(_PROGRESS.pack(_NEVER, _NEVER, 0.0))
-        self._progress_file.flush()
-        self.progress = mmap.mmap(self._progress_file.fileno(), _PROGRESS.size)
-        child_r, parent_w = os.pipe()
-        parent_r, child_w = os.pipe()
-        progress_fd = self._progress_file.fileno()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOTSTRAP, str(child_r), str(child_w)],
-            pass_fds=(child_r, child_w, progress_fd),
-            stdin=subprocess.DEVNULL,
-        )
-        os.close(child_r)
-        os.close(child_w)
-        self._finalizer = weakref.finalize(self, _kill, self.proc, self._progress_file)
-        self.send_conn = Connection(parent_w, readable=False)
-        self.recv_conn = Connection(parent_r, writable=False)
-        self.import_timeout_s = import_timeout_s
-        init = dict(
-            sys_path=list(sys.path),
-            specs=list(payloads),
-            timeout_s=timeout_s,
-            import_timeout_s=import_timeout_s,
-            progress_fd=progress_fd,
-        )
-        self.started = time.monotonic()
-        self.send_conn.send(init)
-
-    def read_progress(self) -> tuple[int, int, float]:
-        f, i, t = _PROGRESS.unpack_from(self.progress, 0)
-        return int(f), int(i), t
-
-    def wait_ready(self) -> list[tuple[int, str]]:
-        """Wait for the start-up report: [(function index, problem)], empty when all loaded.
-
-        Raises _StartFailure(index or None, message) when the child dies or hangs first."""
-        while True:
-            try:
-                if self.recv_conn.poll(0.02):
-                    kind, errors = self.recv_conn.recv()
-                    return list(errors)
-            except (EOFError, OSError):  # the child exited: wait for its code below
-                try:
-                    self.proc.wait(timeout=5.0)
-                except subprocess.TimeoutExpired:
-                    pass
-            f, i, started = self.read_progress()
-            code = self.proc.poll()
-            if code is not None:
-                if i == _IMPORTING:
-                    raise _StartFailure(f, f"ended the reward process (exit code {code})")
-                raise _StartFailure(None, f"the reward process exited (code {code}) at start-up")
-            now = time.monotonic()
-            if i == _IMPORTING and now - started > self.import_timeout_s + _KILL_SLACK_S:
-                raise _StartFailure(f, f"did not finish within {self.import_timeout_s:g} s")
-            if f == _NEVER and now - self.started > _STARTUP_TIMEOUT_S:
-                raise _StartFailure(None, "the reward process did not start")
-
-    def close(self) -> None:
-        self._finalizer()
-        for c in (self.send_conn, self.recv_conn):
-            c.close()
-        self.progress.close()
-        self._progress_file.close()
-
-
-class _StartFailure(Exception):
-    def __init__(self, index, message):
-        super().__init__(message)
-        self.index = index
-
-
-def _kill(proc: subprocess.Popen, progress_file) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    progress_file.close()
 
 
 class RewardRunner:
@@ -401,14 +214,17 @@ class RewardRunner:
         timeout_s: float,
         import_timeout_s: float = 60.0,
         indices: Sequence[int] | None = None,
+        key: str = "data.reward_functions",
     ):
         self.functions = tuple(functions)
+        self.key = key
+        """The dotted key messages name the functions under (a validation set's own terms)."""
         self.timeout_s = float(timeout_s)
         self.import_timeout_s = float(import_timeout_s)
         # positions in data.reward_functions (messages name them; reward models take others)
         self.indices = tuple(range(len(self.functions)) if indices is None else indices)
         self._payloads = [_payload(rf, self._key(i)) for i, rf in enumerate(self.functions)]
-        self._child: _Child | None = None
+        self._child: Child | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -417,11 +233,16 @@ class RewardRunner:
             "timeout_s": self.timeout_s,
             "import_timeout_s": self.import_timeout_s,
             "indices": self.indices,
+            "key": self.key,
         }
 
     def __setstate__(self, state):
         self.__init__(
-            state["functions"], state["timeout_s"], state["import_timeout_s"], state["indices"]
+            state["functions"],
+            state["timeout_s"],
+            state["import_timeout_s"],
+            state["indices"],
+            state["key"],
         )
 
     def close(self) -> None:
@@ -430,8 +251,12 @@ class RewardRunner:
             self._child.close()
             self._child = None
 
+    def _new_child(self) -> Child:
+        init = dict(specs=list(self._payloads), timeout_s=self.timeout_s)
+        return Child("jgrpo.tasks.rewards:serve", init, self.import_timeout_s, _WHAT)
+
     def _key(self, index: int) -> str:
-        return f"data.reward_functions[{self.indices[index]}].function"
+        return f"{self.key}[{self.indices[index]}].function"
 
     def start(self) -> None:
         """The start-up check: load every function in a fresh child; ConfigError naming the
@@ -441,13 +266,13 @@ class RewardRunner:
             return
         with self._lock:
             self.close()
-            child = _Child(self._payloads, self.timeout_s, self.import_timeout_s)
+            child = self._new_child()
             try:
-                errors = child.wait_ready()
-            except _StartFailure as e:
+                errors = child.wait_ready()[1]
+            except StartFailure as e:
                 child.close()
                 if e.index is None:
-                    raise ConfigError(f"data.reward_functions: {e}") from None
+                    raise ConfigError(f"{self.key}: {e}") from None
                 what = describe(self.functions[e.index].function)
                 raise ConfigError(f"{self._key(e.index)}: loading {what} {e}") from None
             if errors:
@@ -476,10 +301,10 @@ class RewardRunner:
         """Send `ranges` to the child; after a kill or crash, return the ranges still to run."""
         if self._child is None or self._child.proc.poll() is not None:
             self.close()
-            self._child = _Child(self._payloads, self.timeout_s, self.import_timeout_s)
+            self._child = self._new_child()
             try:
-                failed = self._child.wait_ready()
-            except _StartFailure:
+                failed = self._child.wait_ready()[1]
+            except StartFailure:
                 failed = [(f, "") for f in range(len(self.functions))]
             if failed:  # cannot load (only where no start-up check ran): these calls fail
                 self.close()
@@ -501,7 +326,7 @@ class RewardRunner:
                 f, i, started = child.read_progress()
                 if child.proc.poll() is not None:
                     break  # the child died (os._exit, segfault, OOM kill) inside sample i
-                if started > 0 and time.monotonic() - started > self.timeout_s + _KILL_SLACK_S:
+                if started > 0 and time.monotonic() - started > self.timeout_s + KILL_SLACK_S:
                     failure = TIMEOUT
                     break
             else:

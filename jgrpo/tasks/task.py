@@ -7,15 +7,16 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 (`_KINDS`), differ only in prompts, references, generation and verifier: arithmetic, countdown
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
-
 Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
-for file data, a seeded split of the training records disjoint from training (at most half of
-them); else a synthetic set disjoint from every training example (dedup key: the question for
-arithmetic, the number multiset for countdown) of at most half the task's distinct questions
-(fewer than 2 is a ConfigError). It depends only on the data config, not on the run seed."""
+for file data, a seeded split of the training records (at most half of them); else a synthetic
+set disjoint from every training example (dedup key: the question for arithmetic, the number
+multiset for countdown), at most half the distinct questions (fewer than 2: ConfigError); it
+depends only on the data config. Each data.val_sets entry is a val-only Task of its own
+(`task.val_tasks[name]`): the entry's records, prompts and reward terms."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -24,6 +25,7 @@ import numpy as np
 
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.arithmetic import ArithmeticTask
+from jgrpo.tasks.calculator import CalculatorTask
 from jgrpo.tasks.countdown import CountdownTask
 from jgrpo.tasks.data import (
     Example,
@@ -38,14 +40,18 @@ from jgrpo.tasks.data import (
 from jgrpo.tasks.gsm8k import GSM8KTask
 from jgrpo.tasks.prompts import PromptsTask
 from jgrpo.tasks.rewards import ERROR, NONE, OK, TIMEOUT, RewardRunner
+from jgrpo.tasks.tools import ToolRunner
 
 _KINDS = {
     "arithmetic": ArithmeticTask,
+    "calculator": CalculatorTask,
     "countdown": CountdownTask,
     "gsm8k": GSM8KTask,
     "prompts": PromptsTask,
 }
 _NEEDS_RECORDS = ("gsm8k", "prompts")
+ENVIRONMENT_TERM = "environment"
+"""The reward term (weight 1) of the environment's step rewards, summed over a rollout."""
 _VAL_SEED = 20_240_601
 """Seed of synthetic validation sets (fixed: the same for every run seed)."""
 _MAX_REJECTS = 10_000
@@ -54,19 +60,21 @@ _MAX_REJECTS = 10_000
 def check_rewards_given(cfg: DataConfig) -> None:
     """A task without a verifier needs a reward function (the Python API adds its reward_funcs
     to data.reward_functions first, so this is not a `validate` rule)."""
-    if not getattr(_KINDS.get(cfg.task), "has_verifier", True) and not cfg.reward_functions:
+    verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
+    if not verifier and not cfg.reward_functions and cfg.environment is None:
         raise ConfigError(
             f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
-            "one reward function"
+            "one reward function (or a data.environment whose steps give rewards)"
         )
 
 
 class Task:
     """Data, prompts and rewards of one run; build it with `make_task`.
 
-    Pickling keeps only (data_cfg, seed): the copy is rebuilt with `load_data=False`, so a Ray
-    worker can format prompts and score without the data files; the data order stays with the
-    trainer's Task.
+    Pickling keeps only (data_cfg, seed, val_set): the copy is rebuilt with `load_data=False`,
+    so a Ray worker can format prompts and score without the data files; the data order stays
+    with the trainer's Task. `val_set`: this Task is the data.val_sets entry of that name (`cfg`
+    its resolved DataConfig): held-out records only, messages name data.val_sets.<name>.
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class Task:
         cfg: DataConfig,
         seed: int,
         load_data: bool = True,
+        val_set: Optional[str] = None,
         *,
         train_dataset: Optional[Table] = None,
         eval_dataset: Optional[Table] = None,
@@ -86,9 +95,12 @@ class Task:
         check_rewards_given(cfg)
         self.cfg = cfg
         self.seed = int(seed)
+        self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
-        self.reward_names = tuple(rf.label for rf in cfg.reward_functions)
+        self.reward_names = tuple(rf.label for rf in cfg.reward_functions) + (
+            () if cfg.environment is None else (ENVIRONMENT_TERM,)
+        )
         functions = [i for i, rf in enumerate(cfg.reward_functions) if rf.model is None]
         self._function_indices = functions
         self._runner = RewardRunner(
@@ -96,24 +108,46 @@ class Task:
             cfg.reward_timeout_s,
             cfg.reward_import_timeout_s,
             indices=functions,
+            key="data.reward_functions"
+            if val_set is None
+            else f"data.val_sets.{val_set}.reward_functions",
         )
+        builtin = tuple(getattr(self.kind, "tools", ()))
+        self.tool_runner = ToolRunner(
+            [*builtin, *cfg.tools],
+            [f"data.task ({cfg.task}'s tool {t!r})" for t in builtin]
+            + [f"data.tools[{i}]" for i in range(len(cfg.tools))],
+            cfg.environment,
+            cfg.tool_timeout_s,
+            cfg.reward_import_timeout_s,
+            cfg.tool_processes,
+        )
+        """Runs the tools (the task's own, then data.tools) and the environment."""
         self.reward_models: dict[int, Any] = {}
         """{index in data.reward_functions: jgrpo.models.reward_model.RewardModel}, attached
         by whoever scores (`attach_reward_models`): the trainer, or a Ray rollout worker."""
         self._train = self._val = None
-        self._val_sets: dict[str, list[Example]] = {}
-        if load_data:
+        if load_data and val_set is not None:
+            rows = self._rows(None, cfg.val_path, f"data.val_sets.{val_set}.path", "val")
+            self._val = rows[: cfg.num_val_examples]
+        elif load_data:
             self._train, self._val = self._build_data(train_dataset, eval_dataset)
-            for name, path in cfg.val_sets:  # more held-out sets, same task and rewards
-                rows = self._rows(None, path, f"data.val_sets.{name}", "val")
-                self._val_sets[name] = [
-                    rows[i] for i in range(min(len(rows), cfg.num_val_examples))
-                ]
+        self.val_tasks: dict[str, Task] = {}
+        """The data.val_sets entries by name, each a val-only Task (its prompts and scoring)."""
+        for vs in cfg.val_sets:
+            vt = Task(vs.data_config(cfg), seed, load_data, val_set=vs.name)
+            if vt.cfg.reward_functions == cfg.reward_functions:
+                vt._runner = self._runner  # the same terms: one reward process, not two
+            self.val_tasks[vs.name] = vt
+        if load_data and val_set is None:
             self.check_reward_models()
-            self._runner.start()  # the reward start-up check, before any model loads
+            # the reward start-up checks, before any model loads; likewise tools and environment
+            for runner in {id(r): r for r in self._runners()}.values():
+                runner.start()
+            self.tool_runner.start()
 
     def __reduce__(self):
-        return (Task, (self.cfg, self.seed, False))
+        return (Task, (self.cfg, self.seed, False, self.val_set))
 
     # ------------------------------------------------------------------------- data
 
@@ -133,11 +167,6 @@ class Task:
         if self._val is None:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
-
-    @property
-    def val_sets(self) -> dict[str, list[Example]]:
-        """The named held-out sets of data.val_sets (name -> examples), besides `val`."""
-        return dict(self._val_sets)
 
     def _build_data(self, train_dataset, eval_dataset):
         cfg = self.cfg
@@ -253,33 +282,57 @@ class Task:
             return self.kind.messages(example)
         return [{"role": "user", "content": self.kind.instruction(example)}]
 
-    def format_prompt(self, example: Example, tokenizer: Any = None) -> str:
+    def format_prompt(
+        self,
+        example: Example,
+        tokenizer: Any = None,
+        tools: Optional[list[dict]] = None,
+        observation: Optional[str] = None,
+    ) -> str:
         """Prompt text: the chat template when data.use_chat_template and the tokenizer has one
         (encode it with add_special_tokens=False), else the task's bare prompt; a chat-message
-        prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`)."""
+        prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`), and so do
+        `tools` (JSON schemas, the template's `tools=`) and an environment's first
+        `observation` (one more user message)."""
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         bare = self.kind.bare_prompt(example)
-        if bare is not None and not (self.cfg.use_chat_template and template):
+        chat = tools or observation is not None
+        if bare is not None and not chat and not (self.cfg.use_chat_template and template):
             return bare
         if not template:
             raise ValueError(
-                f"record {example.get('id')}: the prompt is a list of chat messages, but the "
-                "tokenizer has no chat template"
+                f"record {example.get('id')}: the prompt is a list of chat messages (or has tools "
+                "or an observation), but the tokenizer has no chat template"
             )
-        messages = self._messages(example)
+        messages = self.prompt_messages(example, observation)
         system = self.cfg.system_prompt
-        if system and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": system}, *messages]
+        render = functools.partial(
+            tokenizer.apply_chat_template, tools=tools, add_generation_prompt=True, tokenize=False
+        )
         try:
-            return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            return render(messages)
         except Exception:  # noqa: BLE001 - templates without a system role (e.g. Gemma)
             if not system or messages[0].get("content") != system:
                 raise
             first = messages[1]
-            merged = [{**first, "content": f"{system}\n\n{first['content']}"}, *messages[2:]]
-            return tokenizer.apply_chat_template(merged, add_generation_prompt=True, tokenize=False)
+            return render([{**first, "content": f"{system}\n\n{first['content']}"}, *messages[2:]])
+
+    def prompt_messages(self, example: Example, observation: Optional[str] = None) -> list[dict]:
+        """The chat messages of the prompt (data.system_prompt first unless the record has a
+        system message; an environment's first `observation` last): what `format_prompt`
+        renders, and the start of a warm-start conversation (`ChatFormat.encode`)."""
+        messages = self._messages(example)
+        if observation is not None:
+            messages = [*messages, {"role": "user", "content": observation}]
+        system = self.cfg.system_prompt
+        if system and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        return messages
+
+    def columns(self, example: Example) -> dict:
+        """The dataset record of `example` (an environment's reset(**record)): the whole row
+        for file data of task prompts, else the example's fields."""
+        return dict(example["row"]) if "row" in example else dict(example)
 
     def reference_completion(self, example: Example) -> str:
         """The ideal completion in the bare format, without EOS (the SFT warm-start target);
@@ -301,8 +354,12 @@ class Task:
                 check_reward_model_path(rf.model, f"data.reward_functions[{i}]", rf.max_length)
 
     def attach_reward_models(self, models: dict) -> None:
-        """Use these loaded reward models (`jgrpo.models.reward_model.load_reward_models`)."""
+        """Use these loaded reward models (`jgrpo.models.reward_model.load_reward_models`),
+        here and in the validation sets that inherit data.reward_functions."""
         self.reward_models = dict(models)
+        for vt in self.val_tasks.values():
+            if vt.cfg.reward_functions == self.cfg.reward_functions:
+                vt.attach_reward_models(models)
 
     def votes(self, completions: Sequence[str]) -> Optional[list[Optional[str]]]:
         """Each completion's final answer as maj@n votes on it (the verifier's extraction,
@@ -315,15 +372,25 @@ class Task:
         """Run the reward start-up check now (a Task built with load_data=False skips it)."""
         self._runner.start()
 
+    def _runners(self) -> list[RewardRunner]:
+        return [self._runner, *(vt._runner for vt in self.val_tasks.values())]
+
     def score(
         self,
         prompts: Sequence[str],
         completions: Sequence[str],
         examples: Sequence[Example],
         completion_ids: Optional[Sequence[Sequence[int]]] = None,
+        conversations: Optional[Sequence[list[dict]]] = None,
+        environment_rewards: Optional[np.ndarray] = None,
     ) -> tuple[np.ndarray, dict]:
         """Rewards float32[N] = task_reward_weight * correct + sum_i weight_i * fn_i(...) over
-        the functions that returned a value for the row (see `jgrpo.tasks.rewards`).
+        the functions that returned a value for the row (see `jgrpo.tasks.rewards`), + the
+        environment's reward (weight 1; NaN = none, like a None).
+
+        Multi-turn: `completions` are the last assistant turns (the verifier reads them),
+        `conversations` the messages after each prompt, which reward functions and reward
+        models receive as their completions (TRL's convention).
 
         info: accuracy (fraction the verifier marked correct; None without a verifier),
         num_reward_errors, num_reward_timeouts (samples whose call raised / ran out of time;
@@ -348,6 +415,8 @@ class Task:
             records = [self.kind.reward_record(e) for e in examples]
         else:
             r_prompts, r_completions, records = list(prompts), list(completions), list(examples)
+        if conversations is not None:
+            r_completions = [list(c) for c in conversations]
         # the reward models' forwards first: they run on the device while the verifier and
         # the reward functions (a child process) run on the host
         start = time.perf_counter()
@@ -373,7 +442,7 @@ class Task:
                 except Exception:  # noqa: BLE001 - a malformed example must not stop the run
                     num_errors += 1
             rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
-        num_terms = len(self.cfg.reward_functions)
+        num_terms = len(self.cfg.reward_functions) + (environment_rewards is not None)
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
         fn_values, fn_status = self._runner.run(r_prompts, r_completions, records, completion_ids)
@@ -382,9 +451,15 @@ class Task:
         for f, scores in pending.items():
             values[f] = scores.result()
         model_s += time.perf_counter() - start
+        if environment_rewards is not None:
+            given = ~np.isnan(np.asarray(environment_rewards, np.float64))
+            values[-1] = np.where(given, environment_rewards, 0.0)
+            status[-1] = np.where(given, OK, NONE)
         ok = status == OK
-        for f, rf in enumerate(self.cfg.reward_functions):
-            rewards += rf.weight * np.where(ok[f], values[f], 0.0)
+        weights = [rf.weight for rf in self.cfg.reward_functions]
+        weights += [1.0] * (num_terms - len(weights))  # the environment's term
+        for f, weight in enumerate(weights):
+            rewards += weight * np.where(ok[f], values[f], 0.0)
         has_value = (status != NONE).any(axis=0)
         if self.has_verifier and self.cfg.task_reward_weight != 0:
             has_value[:] = True
@@ -392,7 +467,7 @@ class Task:
             "accuracy": float(correct.mean()) if correct is not None and n else None,
             "num_reward_errors": num_errors + int((status == ERROR).sum()),
             "num_reward_timeouts": int((status == TIMEOUT).sum()),
-            "num_reward_none": int((status == NONE).sum()),
+            "num_reward_none": int((status[: len(self.cfg.reward_functions)] == NONE).sum()),
             "correct": correct,
             "custom_rewards": np.where(ok, values, 0.0).astype(np.float32),
             "reward_terms": np.where(ok, values, np.nan).T.astype(np.float32),
@@ -402,8 +477,11 @@ class Task:
         return rewards.astype(np.float32), info
 
     def close(self) -> None:
-        """Stop the reward child process, if any (it also dies with this process)."""
+        """Stop the reward child processes, if any (they also die with this process)."""
         self._runner.close()
+        self.tool_runner.close()
+        for vt in self.val_tasks.values():
+            vt.close()
 
 
 def make_task(
