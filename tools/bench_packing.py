@@ -16,6 +16,7 @@ the same round. Medians; the train step's matmul flops of both layouts from thei
 (`inspect_step.analytic_flops`) beside them.
 
     python tools/bench_packing.py [--shapes tiny,smollm2] [--cap 256] [--rounds 3]
+        [--workloads skewed,uniform] [--smollm2-prompts 4] [--smollm2-microbatches 4]
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class Trainer:
         return time.perf_counter() - start
 
 
-def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: int) -> dict:
+def bench_shape(
+    shape: str, cap: int, rounds: int, prompts: int, microbatches: int, workloads=WORKLOADS
+) -> dict:
     model = make_model(shape)
     trainer = Trainer(
         {
@@ -145,7 +148,7 @@ def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: i
     prompt_ids = [list(rng.randint(1, vocab, PROMPT)) for _ in range(prompts)]
     prompt_rows = [p for p in prompt_ids for _ in range(GENERATIONS)]
     out = {}
-    for workload in WORKLOADS:
+    for workload in workloads:
         lengths_b = completion_lengths(workload, rows, cap, seed=0)
         records = {"sampler": [], "padded": [], "packed": []}
         first = {}
@@ -200,6 +203,7 @@ def bench_shape(shape: str, cap: int, rounds: int, prompts: int, microbatches: i
         "prompt_tokens": PROMPT,
         "cap": cap,
         "microbatches": microbatches,
+        "rounds": rounds,
     }
     return out
 
@@ -210,7 +214,7 @@ def print_report(report: dict) -> None:
         print(
             f"\n== packed vs padded, {shape} ({m['layers']} layers, d {m['hidden']}, vocab "
             f"{m['vocab']}): {m['prompts']} prompts x {m['generations']}, {m['prompt_tokens']}"
-            f"-token prompts, cap {m['cap']}; medians of {r['skewed']['rounds']} rounds, s"
+            f"-token prompts, cap {m['cap']}; medians of {m['rounds']} rounds, s"
         )
         print(f"{'':30s}{'skewed':>12s}{'uniform':>12s}")
         rows = (
@@ -231,6 +235,9 @@ def print_report(report: dict) -> None:
         for label, key, form in rows:
             cells = []
             for w in WORKLOADS:
+                if w not in r:
+                    cells.append("-")
+                    continue
                 value = r[w][key]
                 value = value / 1e9 if "flops" in key else value
                 cells.append(form.format(value))
@@ -244,6 +251,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
     ap.add_argument("--smollm2-microbatches", type=int, default=4)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of these")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
     import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
@@ -254,7 +262,8 @@ def main(argv=None) -> dict:
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]
         micro = args.smollm2_microbatches if shape == "smollm2" else 1
-        report[shape] = bench_shape(shape, args.cap, args.rounds, prompts, micro)
+        workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        report[shape] = bench_shape(shape, args.cap, args.rounds, prompts, micro, workloads)
     print(
         f"machine: {len(os.sched_getaffinity(0))} cores, float32 matmul "
         f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, memory read "
