@@ -192,6 +192,7 @@ def bench_shape(
             "step_packed_s": whole["packed"],
             "step_speedup": whole["padded"] / whole["packed"],
             "first_call_s": first,
+            "round_s": records,
             "rounds": rounds,
         }
     out["model"] = {
