@@ -315,8 +315,7 @@ def bench_packing_section(sizes, args, rounds: int) -> dict:
         return {"tiny": bench_packing.bench_shape("tiny", 128, 1, 16, 1)}
     out = {}
     for size in sizes:
-        prompts = bench_packing.SHAPES[size][1]
-        micro = 4 if size == "smollm2" else 1
+        _, prompts, micro = bench_packing.SHAPES[size]
         out[size] = bench_packing.bench_shape(size, args.packing_cap, rounds, prompts, micro)
     return out
 

@@ -5,8 +5,8 @@ Workloads: P prompts x 8 generations, 64-token prompts, completions capped at `-
 (`jgrpo.inspect_step.completion_lengths`); `uniform`: every row at the cap (nothing to pack:
 packing must cost nothing). Shapes: `tiny`, the random Qwen2 of tools/bench.py (d 128,
 2 layers, vocab 264), 16 prompts; `smollm2`, SmolLM2-135M-Instruct's weights (30 layers, d 576,
-vocab 49152), `--smollm2-prompts` prompts (a step of 128 rows of 320 tokens takes minutes
-on 2 cores).
+vocab 49152), 2 prompts in 2 microbatches by default (`--smollm2-prompts`: one padded step
+of 16 rows of 320 tokens takes minutes on 2 cores).
 
 Per (shape, workload), in interleaved rounds: the sampler (`jgrpo.sampling.generate`, EOS off)
 draws every row to the cap, as today's sampler decodes until its longest row stops; the rows
@@ -16,7 +16,7 @@ the same round. Medians; the train step's matmul flops of both layouts from thei
 (`inspect_step.analytic_flops`) beside them.
 
     python tools/bench_packing.py [--shapes tiny,smollm2] [--cap 256] [--rounds 3]
-        [--workloads skewed,uniform] [--smollm2-prompts 4] [--smollm2-microbatches 4]
+        [--workloads skewed,uniform] [--smollm2-prompts 2] [--smollm2-microbatches 2]
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ PROMPT = 64
 """Prompt tokens of every row (one prompt bucket)."""
 GENERATIONS = 8
 SHAPES = {
-    # name: (extra config overrides, prompts)
-    "tiny": (["model.logprob_chunk_size=128"], 16),
-    "smollm2": (["model.remat=full", "model.logprob_chunk_size=32"], 4),
+    # name: (extra config overrides, prompts, microbatches)
+    "tiny": (["model.logprob_chunk_size=128"], 16, 1),
+    "smollm2": (["model.remat=full", "model.logprob_chunk_size=32"], 2, 2),
 }
 WORKLOADS = ("skewed", "uniform")
 
@@ -64,7 +64,7 @@ def make_model(shape: str):
 
 
 def step_config(shape: str, prompts: int, cap: int, packed: bool, microbatches: int):
-    overrides, _ = SHAPES[shape]
+    overrides, _, _ = SHAPES[shape]
     return load_config(
         str(ROOT / "configs" / "tiny.yaml"),
         [
@@ -251,7 +251,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cap", type=int, default=256, help="completion length cap (new tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
-    ap.add_argument("--smollm2-microbatches", type=int, default=4)
+    ap.add_argument("--smollm2-microbatches", type=int, default=SHAPES["smollm2"][2])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of these")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
     report = {}
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]
-        micro = args.smollm2_microbatches if shape == "smollm2" else 1
+        micro = args.smollm2_microbatches if shape == "smollm2" else SHAPES[shape][2]
         workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
         report[shape] = bench_shape(shape, args.cap, args.rounds, prompts, micro, workloads)
     print(
