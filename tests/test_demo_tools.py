@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jgrpo import train
 from jgrpo.config import load_config
@@ -51,6 +52,7 @@ def test_traces_fit_the_budget_and_train_the_assistant_ids_only(warm_start, tmp_
     assert not any(mask[:prompt_len])
 
 
+@pytest.mark.heavy  # make test: test_traces_fit_the_budget_and_train_the_assistant_ids_only
 def test_warm_start_then_grpo_calls_the_calculator(warm_start, tmp_path):
     folder = tmp_path / "sft"
     assert warm_start.main(["--config", CONFIG, "--out", str(folder), *TINY]) == 0
