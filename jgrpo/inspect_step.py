@@ -8,21 +8,26 @@ trip count, XLA's own count is kept beside it) and the same from the shapes alon
 (`analytic_flops`, the cross-check); per-device bytes of the parameters, optimizer state,
 reference copy, reward models, arguments and XLA's temporaries, and a peak estimate; the
 sampler's KV cache; the named forwards present in the compiled and the traced program
-(`forwards_in_hlo`, `forwards_in_jaxpr`: the probes the static-flag proofs use) and dot counts.
-docs/precision-and-memory.md describes every JSON key.
+(`forwards_in_hlo`, `forwards_in_jaxpr`: the probes the static-flag proofs use) and dot counts;
+for a completion-length distribution (`--lengths`), `packing_report`: real vs padded vs packed
+tokens and flops. docs/precision-and-memory.md describes every JSON key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
+from statistics import NormalDist
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jgrpo import compile_cache, sampling, step, step_setup
-from jgrpo.config import Config
+from jgrpo import compile_cache, packing, sampling, step, step_setup
+from jgrpo.batch import TrainBatch
+from jgrpo.config import Config, ConfigError
 from jgrpo.models import load_policy
 from jgrpo.models.lora import adapter_layout
 
@@ -127,13 +132,15 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
+def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None) -> dict:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
     Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention scores +
-    values 4Tnh (the full T x T square: masking saves nothing), LoRA adapters 2r(in + out) per
-    targeted projection (x A, then B); the LM head 2dV over the chunk-padded positions after the
-    prompt bucket (the only ones scored). A frozen forward (ref, prev) costs one forward; the
+    values 4Tnh (the full T x T square of its row: masking saves nothing), LoRA adapters
+    2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
+    positions after the prompt bucket (the only ones scored). `row_tokens` (the tokens of each
+    row through the layers) and `head_positions` (LM-head positions in all) describe another
+    layout: default B rows of T tokens. A frozen forward (ref, prev) costs one forward; the
     policy costs its forward and a backward. Full fine-tuning: the backward is 2 forwards (every
     matmul differentiates both operands). LoRA: the frozen base weights and the (frozen) head
     take no weight gradient, so their matmuls cost one more forward only (the activation
@@ -153,17 +160,17 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
         m.vocab_size,
         m.num_layers,
     )
-    scored = ro.max_new_tokens  # the head runs over the completion's columns only
-    chunk = min(m.logprob_chunk_size or scored, scored)
-    head_positions = -(-scored // chunk) * chunk
-    tokens = b * t
-    attention = tokens * l * 4 * t * n * h
+    if head_positions is None:
+        head_positions = b * chunk_padded(ro.max_new_tokens, m.logprob_chunk_size)
+    row_tokens = [t] * b if row_tokens is None else [int(x) for x in row_tokens]
+    tokens = sum(row_tokens)
+    attention = sum(x * x for x in row_tokens) * l * 4 * n * h
     weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)
     adapters = 0
     if m.lora is not None:
         per_layer = sum(math.prod(shape) for shape, _ in adapter_layout(m).values()) // l
         adapters = tokens * l * 2 * per_layer
-    head = b * head_positions * 2 * d * v
+    head = head_positions * 2 * d * v
     base = weights + attention + head  # a forward without adapters
     policy_forward = base + adapters
     if m.lora is None:
@@ -181,6 +188,12 @@ def analytic_flops(cfg: Config, model_cfg) -> dict[str, float]:
         "model": float(model),
         "step": float(model + recompute),
     }
+
+
+def chunk_padded(positions: int, chunk: int) -> int:
+    """Positions the chunked LM head computes for `positions` scored ones (whole chunks)."""
+    chunk = min(chunk or positions, positions)
+    return -(-positions // chunk) * chunk if positions else 0
 
 
 def kv_cache_bytes(cfg: Config, model_cfg) -> int:
@@ -226,11 +239,103 @@ def reward_model_bytes(cfg: Config, mesh) -> dict[str, int]:
     }
 
 
+def completion_lengths(spec: str, rows: int, cap: int, seed: int = 0) -> np.ndarray:
+    """[rows] completion lengths in [1, cap] (`inspect-step --lengths SPEC`): `uniform`, every
+    row at the cap; `skewed`, log-normal with median cap / 8 and sigma 1 (its quantiles at
+    (i + 0.5) / rows, shuffled by `seed`; clipped to [1, cap]): most rows stop early, a few run
+    to the cap; or `L1,L2,...`, these lengths repeated over the rows."""
+    if spec == "uniform":
+        return np.full(rows, cap, np.int64)
+    if spec == "skewed":
+        z = np.array([NormalDist().inv_cdf((i + 0.5) / rows) for i in range(rows)])
+        lengths = np.clip(np.round(cap / 8 * np.exp(z)), 1, cap).astype(np.int64)
+        return np.random.RandomState(seed).permutation(lengths)
+    try:
+        values = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--lengths: {spec!r} is not uniform, skewed or a comma list of integers"
+        ) from None
+    if min(values) < 1 or max(values) > cap:
+        raise ConfigError(
+            f"--lengths: every length must lie in [1, rollout.max_new_tokens = {cap}], got {spec!r}"
+        )
+    return np.resize(np.asarray(values, np.int64), rows)
+
+
+def length_batch(prompt: int, completions_b, new_tokens: int, group: int = 1) -> TrainBatch:
+    """A host TrainBatch of `prompt` prompt tokens and completions_b[b] generated tokens per
+    row (ids 0, groups of `group` rows): the layout a length distribution gives the step."""
+    completions_b = np.asarray(completions_b)
+    cols = np.arange(prompt + new_tokens)
+    real = cols < prompt + completions_b[:, None]
+    generated = real & (cols >= prompt)
+    b = len(completions_b)
+    return TrainBatch(
+        input_ids=np.zeros(real.shape, np.int32),
+        attention_mask=real.astype(np.float32),
+        token_mask=generated.astype(np.float32),
+        generation_logprobs=np.zeros(real.shape, np.float32),
+        rewards=np.zeros(b, np.float32),
+        group_ids=(np.arange(b) // group).astype(np.int32),
+        sample_mask=np.ones(b, np.float32),
+    )
+
+
+def compiled_flops(built, args) -> float:
+    """Matmul flops (every loop trip) of `built`'s step compiled for `args`, all devices."""
+    text = built.step_fn.lower(*args).compile().as_text()
+    return hlo_dot_flops(text)[0] * built.mesh.size
+
+
+def packing_report(cfg: Config, abstract_model, spec: str, compile: bool = True) -> dict:
+    """Real vs padded vs packed tokens and flops of the step for the completion lengths `spec`
+    (`completion_lengths`), every prompt filling rollout.prompt_bucket: real counts each row's
+    own tokens (attention over its own square, the LM head over its generated tokens); padded
+    is the unpacked step (B rows of T); packed the step under grpo.sequence_packing with the
+    packed rows `jgrpo.packing` makes of them (the config's budget, or T)."""
+    g, ro, model_cfg = cfg.grpo, cfg.rollout, abstract_model.cfg
+    lengths_b = completion_lengths(spec, g.batch_size, ro.max_new_tokens, g.seed)
+    packed_cfg = cfg.replace(grpo=dataclasses.replace(g, sequence_packing=True))
+    padded_cfg = cfg.replace(
+        grpo=dataclasses.replace(g, sequence_packing=False, packing_budget=None)
+    )
+    packed = step_setup.build_step(packed_cfg, abstract_model)
+    host = length_batch(
+        ro.prompt_bucket, lengths_b, ro.max_new_tokens, g.num_generations_per_prompt
+    )
+    layout = packing.pack_batch(host, packed.pack_spec).layout
+    (r, w), h = layout.input_ids.shape, layout.scored.shape[1]
+    real_b = ro.prompt_bucket + lengths_b
+    head = r * chunk_padded(h, model_cfg.logprob_chunk_size)
+    report = {
+        "lengths": spec,
+        "completion_length_median": float(np.median(lengths_b)),
+        "tokens_real": int(real_b.sum()),
+        "tokens_padded": g.batch_size * (ro.prompt_bucket + ro.max_new_tokens),
+        "tokens_packed": r * w,
+        "packed_rows": r,
+        "packed_width": w,
+        "flops_real_analytic": analytic_flops(cfg, model_cfg, real_b, lengths_b.sum())["step"],
+        "flops_padded_analytic": analytic_flops(cfg, model_cfg)["step"],
+        "flops_packed_analytic": analytic_flops(cfg, model_cfg, [w] * r, head)["step"],
+    }
+    if compile:
+        padded = step_setup.build_step(padded_cfg, abstract_model)
+        report["flops_padded"] = compiled_flops(padded, padded.abstract_args())
+        batch = packed.abstract_batch(packed_rows=r)
+        report["flops_packed"] = compiled_flops(packed, packed.abstract_args(batch))
+    return report
+
+
 def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def inspect_step(cfg: Config, compile: bool = True) -> dict:
+def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) -> dict:
+    """The report (docs/precision-and-memory.md). Under grpo.sequence_packing the step is
+    sized for the most packed rows a batch can take (B: no row shares one); `lengths` adds
+    `packing_report` for that completion-length distribution."""
     start = time.perf_counter()
     compile_cache.enable()
     abstract_model = load_policy(cfg.model, abstract=True)  # config.json alone is enough
@@ -282,5 +387,7 @@ def inspect_step(cfg: Config, compile: bool = True) -> dict:
             "argument_bytes_per_device": arguments,
             "peak_bytes_per_device_estimate": arguments + outputs - aliased + temp,
         }
+    if lengths is not None:
+        report |= packing_report(cfg, abstract_model, lengths, compile)
     report["seconds"] = round(time.perf_counter() - start, 2)
     return report

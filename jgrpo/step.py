@@ -1,23 +1,24 @@
 """The one jitted GRPO train step, specialised on static flags (`jgrpo.step_setup` builds it).
 
 - `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
-  ref_params, frozen=None) -> (state, metrics)`, a `TopLevelStep` (top-level calls compile with
-  the sampler's XLA options): donates `state`, pins the output state's shardings.
-- `StepFlags` (static, hashable) decides the program; the float hyperparameters travel traced
-  in `StepHparams`, so sweeping them never recompiles. `batch` is a `jgrpo.batch.TrainBatch`;
-  `prepare_batch` turns it into the `ScoredBatch` the loss reads.
-- `TrainState.params` is the trainable tree; `frozen` (None: all trains) joins it for every
-  forward (`with_frozen`) and is never updated; `ref_params` has the trainable tree's structure.
+  ref_params, frozen=None) -> (state, metrics)`, a `TopLevelStep` (compiled with the sampler's
+  XLA options) that donates `state` and pins the output state's shardings.
+- `StepFlags` (static) decides the program; float hyperparameters travel traced in
+  `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
+  grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
+  read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
+  all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
 - In one call (docs/losses.md): the reference and prev forwards (only when their flags say so,
   each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
   microbatches, normalised by the minibatch's global counts; a non-finite loss or gradient
-  skips the update. Rows go to chunks by interleaving (row i to chunk i mod K).
+  skips the update. Rows (packed rows) go to chunks by interleaving (i to chunk i mod K).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from jgrpo import losses
+from jgrpo import losses, packing
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, LossConfig
 from jgrpo.models import kernels
@@ -64,6 +65,8 @@ class StepFlags:
     """The first batch column that may hold a generated token (rollout.prompt_bucket: every
     prompt is left-padded to a multiple of it). The forwards compute no logits left of it;
     `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
+    sequence_packing: bool = False
+    """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepFlags:
@@ -81,6 +84,7 @@ class StepFlags:
             total_updates=total_updates(cfg),
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
+            sequence_packing=cfg.grpo.sequence_packing,
         )
 
 
@@ -162,10 +166,12 @@ class ScoredBatch:
     """The prev forward's logprobs (None when compute_prev_logprobs is off)."""
     reference_logprobs: Optional[jax.Array] = None
     """The reference forward's logprobs (None when compute_ref_logprobs is off)."""
+    layout: Optional[packing.PackedLayout] = None
+    """The packed rows every forward runs over (None: the rows themselves)."""
 
     def loss_inputs(self) -> dict[str, jax.Array]:
         """The arrays `losses.policy_loss` reads, by name (absent forwards left out)."""
-        fields = (f.name for f in dataclasses.fields(self))
+        fields = (f.name for f in dataclasses.fields(self) if f.name != "layout")
         return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
 
@@ -208,35 +214,61 @@ def with_frozen(params, frozen):
 
 
 def sequence_logprobs(
-    graphdef, params, input_ids_bt, attention_mask_bt, temperature, use_lora=True, first_scored=1
+    graphdef,
+    params,
+    input_ids_bt,
+    attention_mask_bt,
+    temperature,
+    use_lora=True,
+    first_scored=1,
+    packed=None,
 ):
     """[B, T] float32 logprobs of `input_ids_bt` under the model (temperature-scaled), through
     `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the columns
     before `first_scored` (no logits computed there); use_lora=False skips the LoRA adapters
-    (the base model)."""
+    (the base model). `packed` = (positions, segment_ids, scored) of packed rows: the
+    [R, H] logprobs of their scored slots instead."""
     model = nnx.merge(graphdef, params)
     return model.token_logprobs(
-        input_ids_bt, attention_mask_bt, temperature, use_lora=use_lora, first_scored=first_scored
+        input_ids_bt,
+        attention_mask_bt,
+        temperature,
+        use_lora=use_lora,
+        first_scored=first_scored,
+        packed=packed,
     )
 
 
 def frozen_logprobs(
-    name, graphdef, params, batch, temperature, num_chunks, use_lora=True, first_scored=1
+    name,
+    graphdef,
+    params,
+    batch,
+    temperature,
+    num_chunks,
+    use_lora=True,
+    first_scored=1,
+    layout=None,
 ):
-    """A no-gradient forward over the whole batch (anything with input_ids and
-    attention_mask) in `num_chunks` chunks (bounded memory)."""
-    inputs = (batch.input_ids, batch.attention_mask)
+    """A no-gradient forward over the whole batch (anything with input_ids, attention_mask and
+    token_mask) in `num_chunks` chunks (bounded memory) -> [B, T]; with a packed `layout`,
+    over its packed rows, read back to the batch's rows (0 off token_mask)."""
+    packed = layout is not None
+    inputs = layout.tokens() if packed else (batch.input_ids, batch.attention_mask)
 
     def forward(_, mb):
-        ids_bt, mask_bt = mb
-        lp_bt = sequence_logprobs(
-            graphdef, params, ids_bt, mask_bt, temperature, use_lora, first_scored
+        ids, mask, where = (mb[0], None, mb[1:]) if packed else (*mb, None)
+        lp = sequence_logprobs(
+            graphdef, params, ids, mask, temperature, use_lora, first_scored, where
         )
-        return None, lp_bt
+        return None, lp
 
     with jax.named_scope(f"forward_{name}"):
-        _, lp_kbt = scan_chunks(forward, None, chunk_rows(inputs, num_chunks))
-    return jax.lax.stop_gradient(unchunk_rows(lp_kbt))
+        _, lp_k = scan_chunks(forward, None, chunk_rows(inputs, num_chunks))
+    lp = unchunk_rows(lp_k)
+    if packed:
+        lp = packing.unpack_logprobs(lp, layout.row, layout.slot, batch.token_mask)
+    return jax.lax.stop_gradient(lp)
 
 
 def reduce_minibatch_metrics(stacked: dict) -> dict:
@@ -286,17 +318,34 @@ def batch_statistics(batch: TrainBatch, advantages_bt, kept_b) -> dict:
 def prepare_batch(
     state, batch: TrainBatch, hparams: StepHparams, ref_params, *, flags, graphdef
 ) -> tuple[ScoredBatch, dict]:
-    """Steps 1-3: the frozen forwards, logprob-error masking and advantages."""
+    """Steps 1-3: the frozen forwards, logprob-error masking and advantages. `batch` is a
+    TrainBatch, or a `packing.PackedBatch` under flags.sequence_packing: its forwards run over
+    the packed rows and everything after them over its rows, as unpacked."""
+    if isinstance(batch, packing.PackedBatch) != flags.sequence_packing:
+        raise ValueError(
+            f"train step: grpo.sequence_packing={flags.sequence_packing} takes a "
+            f"{'PackedBatch' if flags.sequence_packing else 'TrainBatch'}, got "
+            f"{type(batch).__name__}"
+        )
+    batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
-    first = flags.first_scored
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
+    forward = functools.partial(
+        frozen_logprobs,
+        graphdef=graphdef,
+        batch=batch,
+        temperature=temp,
+        num_chunks=chunks,
+        first_scored=flags.first_scored,
+        layout=layout,
+    )
     ref_bt = prev_bt = None
     if flags.compute_ref_logprobs:
         # LoRA: the reference is the base, the policy's own arrays with the adapters skipped
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
-        ref_bt = frozen_logprobs("ref", graphdef, ref, batch, temp, chunks, use_lora, first)
+        ref_bt = forward("ref", params=ref, use_lora=use_lora)
     if flags.compute_prev_logprobs:
-        prev_bt = frozen_logprobs("prev", graphdef, state.params, batch, temp, chunks, True, first)
+        prev_bt = forward("prev", params=state.params)
     sample_mask_b = batch.sample_mask
     if flags.use_logprob_error_threshold:
         mask_bt = batch.token_mask * batch.sample_mask[:, None]
@@ -336,8 +385,51 @@ def prepare_batch(
         advantages=advantages_bt,
         prev_logprobs=prev_bt,
         reference_logprobs=ref_bt,
+        layout=layout,
     )
     return data, metrics
+
+
+def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef, frozen=None):
+    """(loss_fn(params, x) -> (loss, metrics), xs): the loss of one microbatch and the chunks
+    the microbatch scan runs over, normalised by the minibatch's global N_tok and N_seq.
+    Rows: chunks of rows (row i to chunk i mod K). Packed (`data.layout`): chunks of packed
+    rows; chunk k's logprobs are read back to the minibatch's rows (`unpack_logprobs`), the
+    rows of other chunks masked out (sample_mask 0 for this chunk), so losses.policy_loss
+    reads the same row-layout arrays either way."""
+    loss_cfg = hparams.loss_config(flags)
+    m_bt = data.token_mask * data.sample_mask[:, None]
+    n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data.sample_mask)
+    policy_logprobs = functools.partial(
+        sequence_logprobs, graphdef, temperature=hparams.temperature
+    )
+
+    def rows_loss(params, mb: ScoredBatch):
+        with jax.named_scope("forward_policy"):
+            full = with_frozen(params, frozen)
+            lp_bt = policy_logprobs(
+                full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
+            )
+        return losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
+
+    if data.layout is None:
+        return rows_loss, chunk_rows(data, flags.num_microbatches)
+    k_b, local_b = packing.microbatch_of(
+        data.layout.row, flags.num_minibatches, flags.num_microbatches
+    )
+
+    def packed_loss(params, xs):
+        (ids_rw, *packed), k = xs
+        with jax.named_scope("forward_policy"):
+            lp_rh = policy_logprobs(with_frozen(params, frozen), ids_rw, None, packed=packed)
+        in_b = k_b == k  # the rows this chunk holds
+        tm_bt = data.token_mask * in_b[:, None]
+        lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
+        inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
+        return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
+
+    chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
+    return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)
 
 
 def accumulate_gradients(
@@ -357,22 +449,7 @@ def accumulate_gradients(
     pin = lambda g: (
         g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
     )
-    loss_cfg = hparams.loss_config(flags)
-    m_bt = data.token_mask * data.sample_mask[:, None]
-    n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data.sample_mask)
-
-    def loss_fn(params, mb: ScoredBatch):
-        with jax.named_scope("forward_policy"):
-            full = with_frozen(params, frozen)
-            lp_bt = sequence_logprobs(
-                graphdef,
-                full,
-                mb.input_ids,
-                mb.attention_mask,
-                hparams.temperature,
-                first_scored=flags.first_scored,
-            )
-        return losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
+    loss_fn, xs = microbatch_loss(data, hparams, flags=flags, graphdef=graphdef, frozen=frozen)
 
     def micro(grads, mb):
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
@@ -380,7 +457,7 @@ def accumulate_gradients(
         return jax.tree.map(jnp.add, grads, g), metrics
 
     zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-    grads, metrics_k = scan_chunks(micro, zeros, chunk_rows(data, flags.num_microbatches))
+    grads, metrics_k = scan_chunks(micro, zeros, xs)
     return grads, losses.combine_metrics(metrics_k)
 
 
@@ -418,7 +495,8 @@ def optimizer_update(
 def train_step(
     state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx, grad_shardings=None
 ):
-    """One GRPO step on a rollout batch -> (new state, metrics)."""
+    """One GRPO step on a rollout batch -> (new state, metrics). `ref_params` has the trainable
+    tree's structure (None when no separate reference forward runs)."""
     full_state = state._replace(params=with_frozen(state.params, frozen))
     data, metrics = prepare_batch(
         full_state, batch, hparams, with_frozen(ref_params, frozen), flags=flags, graphdef=graphdef

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jgrpo import sharding
+from jgrpo import packing, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 from jgrpo.optimizer import as_float32, make_optimizer, opt_state_shardings
@@ -117,14 +117,37 @@ class StepSetup:
     """Parameters that are not trained (None: the whole model trains)."""
     hparams: StepHparams
     step_fn: Callable
+    pack_spec: Optional[packing.PackSpec] = None
+    """How batches are packed (grpo.sequence_packing), else None."""
 
-    def abstract_batch(self, rows: Optional[int] = None, tokens: Optional[int] = None):
-        """The abstract, batch-sharded TrainBatch of a rollout (default: the config's B x T,
-        T = rollout.prompt_bucket + rollout.max_new_tokens)."""
+    def abstract_batch(
+        self,
+        rows: Optional[int] = None,
+        tokens: Optional[int] = None,
+        packed_rows: Optional[int] = None,
+    ):
+        """The abstract, batch-sharded step input of a rollout (default: the config's B x T,
+        T = rollout.prompt_bucket + rollout.max_new_tokens): a TrainBatch, or under
+        grpo.sequence_packing a PackedBatch of `packed_rows` packed rows (default B: the
+        most a batch packs into, one row each)."""
         rows = self.cfg.grpo.batch_size if rows is None else rows
         ro = self.cfg.rollout
         tokens = ro.prompt_bucket + ro.max_new_tokens if tokens is None else tokens
-        return TrainBatch.abstract(rows, tokens, self.mesh)
+        if self.pack_spec is None:
+            return TrainBatch.abstract(rows, tokens, self.mesh)
+        width = self.pack_spec.width or tokens
+        packed_rows = rows if packed_rows is None else packed_rows
+        h = self.pack_spec.scored_width
+        return packing.PackedBatch.abstract(rows, tokens, packed_rows, width, h, self.mesh)
+
+    def device_batch(self, batch: TrainBatch):
+        """This process's host rows -> the step's input on the mesh: checked
+        (`check_scored_from`), packed under grpo.sequence_packing (`packing.pack_batch`),
+        sharded over data x fsdp."""
+        batch = batch.check_scored_from(self.flags.first_scored)
+        if self.pack_spec is not None:
+            batch = packing.pack_batch(batch, self.pack_spec)
+        return batch.shard(self.mesh)
 
     def abstract_args(self, batch=None) -> tuple:
         """(state, batch, hparams, ref_params, frozen) as abstract values, for `.lower`."""
@@ -206,4 +229,7 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
         frozen=frozen,
         hparams=StepHparams.from_config(cfg),
         step_fn=make_train_step(flags, graphdef, tx, shardings),
+        pack_spec=packing.PackSpec.from_config(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
+        if cfg.grpo.sequence_packing
+        else None,
     )

@@ -313,7 +313,7 @@ def train_one_step(
         logger.log_samples(s + 1, result.samples[: t.cfg.logging.num_samples])
     gen_s = time.perf_counter() - start
     u = t.setup
-    batch = result.step_batch().check_scored_from(u.flags.first_scored).shard(u.mesh)
+    batch = u.device_batch(result.step_batch())
     t.state, step_metrics = u.step_fn(t.state, batch, u.hparams, u.ref_params, u.frozen)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s

@@ -86,6 +86,21 @@ def rollout_batch():
     return make_rollout_batch(0)
 
 
+@pytest.fixture(scope="module")
+def warm_start():
+    """tools/warm_start.py as a module (tools/ is not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "warm_start.py"
+    spec = importlib.util.spec_from_file_location("warm_start", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["warm_start"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def with_kernels(model, kernels):
     """The same parameters (shared arrays) as `model` with `cfg.kernels` set: "cpu" or
     "portable" (jgrpo.models.kernels), so the GPU/TPU code path runs on CPU too."""

@@ -25,7 +25,14 @@ def run_tool(*argv) -> subprocess.CompletedProcess:
 @pytest.mark.heavy
 def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
     out = run_tool("tools/bench.py", "--smoke", "--no-compile", "--out", str(tmp_path))
-    for line in ("== GRPO step, tiny", "train / matmul limit", "prev logprob forward", "A tiny"):
+    for line in (
+        "== GRPO step, tiny",
+        "train / matmul limit",
+        "prev logprob forward",
+        "A tiny",
+        "== packed vs padded, tiny",
+        "train speedup",
+    ):
         assert line in out.stdout, out.stdout
     report = json.loads((tmp_path / "latest.json").read_text())
     assert report["machine"]["matmul_flops_per_s"] > 1e9
@@ -38,10 +45,12 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
         phases = variant["phases_s"]
         assert phases["train"] > 0 and phases["generation"] >= phases["  sample"] > 0
         assert 0 < variant["train_vs_matmul_limit"] < 2
-    skewed = report["decode_slots"]["tiny"]
+    skewed, uniform = report["packing"]["tiny"]["skewed"], report["packing"]["tiny"]["uniform"]
+    assert skewed["tokens_packed"] < skewed["tokens_padded"] == uniform["tokens_packed"]
+    assert skewed["train_packed_s"] > 0 and uniform["step_padded_s"] > uniform["sampler_s"]
+    slots = report["decode_slots"]["tiny"]["skewed shared=no slots=32"]
     assert "== decode slots, tiny" in out.stdout, out.stdout
-    assert skewed["skewed shared=no slots=32"]["same_tokens"] is True
-    assert skewed["skewed shared=no slots=32"]["tokens_per_s"] > 0
+    assert slots["same_tokens"] is True and slots["tokens_per_s"] > 0
     sampler = report["sampler"]["A tiny"]
     assert sampler["jgrpo_tokens_per_s"] > 0 and sampler["decode_vs_bandwidth_limit"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json

@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jgrpo.config import load_config
@@ -246,3 +247,55 @@ def test_kv_cache_bytes_with_decode_slots():
     slots = inspect_step(load_config(TINY, ["rollout.decode_slots=4"]), compile=False)
     assert rows["kv_cache_bytes"] == 16 * per_row
     assert slots["kv_cache_bytes"] == (4 + 1) * per_row
+
+
+def test_packing_report_counts_tokens_by_hand():
+    """64 rows (16 prompts x 4) of 4 prompt tokens and completions 1, 12, 3, 6 (repeated), 12
+    new tokens at most, 8 devices: real = 64 x 4 + 16 x (1 + 12 + 3 + 6) = 608 tokens; padded
+    = 64 x 16 = 1024. Packed into rows of 16 (first-fit decreasing on the row lengths 16, 10,
+    7, 5): each 16 alone, each 10 with a 5, the 7s two by two: 16 + 16 + 8 = 40 rows, a
+    multiple of the 8 devices (no bucket rounding), 640 tokens."""
+    cfg = load_config(
+        TINY,
+        [
+            "grpo.num_prompts_per_step=16",
+            "rollout.prompt_bucket=4",
+            "rollout.max_new_tokens=12",
+        ],
+    )
+    report = inspect_step(cfg, compile=False, lengths="1,12,3,6")
+    assert report["tokens_real"] == 608
+    assert report["tokens_padded"] == 1024
+    assert (report["packed_rows"], report["packed_width"]) == (40, 16)
+    assert report["tokens_packed"] == 640
+    # every row's own tokens, squares and generated tokens vs 40 full rows: fewer flops
+    assert report["flops_real_analytic"] < report["flops_packed_analytic"]
+    assert report["flops_packed_analytic"] < 0.7 * report["flops_padded_analytic"]
+
+
+def test_length_distributions():
+    from jgrpo.config import ConfigError
+    from jgrpo.inspect_step import completion_lengths
+
+    skewed = completion_lengths("skewed", 128, 256, seed=0)
+    assert np.median(skewed) == 32 and skewed.max() == 256 and skewed.min() >= 1
+    assert 2 <= (skewed == 256).sum() <= 4  # a few reach the cap
+    np.testing.assert_array_equal(skewed, completion_lengths("skewed", 128, 256, seed=0))
+    assert (completion_lengths("uniform", 5, 7) == 7).all()
+    np.testing.assert_array_equal(completion_lengths("2,5", 5, 7), [2, 5, 2, 5, 2])
+    with pytest.raises(ConfigError, match="--lengths: every length must lie in"):
+        completion_lengths("2,9", 5, 7)
+    with pytest.raises(ConfigError, match="not uniform, skewed or a comma list"):
+        completion_lengths("long", 5, 7)
+
+
+@pytest.mark.heavy  # make test: test_packing_report_counts_tokens_by_hand (sizes only)
+def test_packing_report_compiled_flops_match_the_shapes():
+    """The compiled unpacked and packed steps' matmul flops equal `analytic_flops` of their
+    layouts (B rows of T; packed rows of the budget, the LM head over their scored slots)."""
+    overrides = ["grpo.num_prompts_per_step=16", "rollout.prompt_bucket=8"]
+    cfg = load_config(TINY, [*overrides, "rollout.max_new_tokens=64"])
+    report = inspect_step(cfg, lengths="skewed")
+    assert report["flops_padded"] == report["flops_padded_analytic"] == report["flops"]
+    assert report["flops_packed"] == report["flops_packed_analytic"]
+    assert report["flops_packed"] < 0.5 * report["flops_padded"]

@@ -5,6 +5,7 @@ the loss mask is exactly the generated ids, a rollout split into parts (as Ray w
 equals the whole, one turn is the single-turn rollout bit for bit, and the compiles stay
 bounded. Full-size runs through `train.run` (local vs Ray, resume, LoRA) are `heavy`."""
 
+import dataclasses
 import functools
 import textwrap
 from pathlib import Path
@@ -17,7 +18,7 @@ from conftest import importable_modules
 from flax import nnx
 from transformers import AutoTokenizer
 
-from jgrpo import sampling, step, train
+from jgrpo import sampling, sharding, step, step_setup, train
 from jgrpo.config import load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
@@ -376,6 +377,36 @@ def test_two_turns_share_one_compiled_program(short_talk):
     context width (64) and its budget rounds up to the same 64 tokens: no new program."""
     assert short_talk["result"].batch["turns"].min() == 2
     assert short_talk["compiles"] == 1
+
+
+@pytest.mark.heavy  # make test: test_packing.py::test_packed_step_equals_the_unpacked_step
+# (hand-built reply holes in the token mask)
+def test_a_conversation_batch_packs_to_the_unpacked_step(short_talk):
+    """The rollout's batch (tool replies inside the completions: attended, not scored) through
+    the train step packed (grpo.sequence_packing) and unpacked: the same loss, metrics and
+    gradients (tests/test_packing.py's comparison). Rewards made distinct: a real gradient."""
+    from test_packing import assert_same, batch_math
+
+    host = short_talk["result"].step_batch()
+    gen = host.token_mask > 0
+    reply = (host.attention_mask > 0) & ~gen
+    after_reply = np.cumsum(reply[:, short_talk["cfg"].rollout.prompt_bucket :], axis=1) > 0
+    assert (gen[:, short_talk["cfg"].rollout.prompt_bucket :] & after_reply).any(1).all()
+    host = host.replace(rewards=np.arange(len(host.rewards), dtype=np.float32))
+    model = from_pretrained(short_talk["folder"])
+    cfg, out = short_talk["cfg"], {}
+    for packed in (False, True):
+        run = cfg.replace(
+            grpo=dataclasses.replace(cfg.grpo, sequence_packing=packed),
+            mesh=dataclasses.replace(cfg.mesh, data=1),
+        )
+        built = step_setup.build_step(
+            run, model, mesh=sharding.make_mesh(run.mesh, jax.devices()[:1])
+        )
+        if packed:  # 8 conversations of 64 + 64 columns in fewer packed rows
+            assert built.device_batch(host).layout.input_ids.shape[0] < len(host.rewards)
+        out[packed] = batch_math(built, host, None)
+    assert_same(out[True], out[False])
 
 
 @pytest.mark.heavy  # make test: the same checks on two turns (test_trainer_forward_...)

@@ -1,26 +1,13 @@
 """tools/warm_start.py on a tiny budget: same bytes twice, the loss falls, the cache is reused."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
     "--hidden-size 32 --num-layers 1 --intermediate-size 64 "
     "--steps 30 --batch-size 16 --warmup-steps 5 --no-eval"
 ).split()
-
-
-@pytest.fixture(scope="module")
-def warm_start():
-    spec = importlib.util.spec_from_file_location("warm_start", ROOT / "tools" / "warm_start.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["warm_start"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:

@@ -16,6 +16,9 @@ One run measures, side by side:
   slots      the sampler's decode slots (`rollout.decode_slots`) vs one batch of every row, with
              and without shared prefill, on skewed and uniform completion lengths
              (tools/bench_sampler.py --slots);
+  packing    the train step and the whole GRPO step (sampler + train) with
+             `grpo.sequence_packing` vs today's padded rows, on a skewed and a uniform length
+             workload (tools/bench_packing.py);
   compile    the tiny config's first step in a fresh process: cold compilation cache vs warm
              (`jgrpo.compile_cache`), and the steady step after it.
 
@@ -44,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_sampler
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_sampler, bench_packing
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = Path(__import__("jgrpo").__file__).resolve().parents[1]
@@ -322,6 +325,20 @@ def bench_slots_section(smoke: bool, with_smollm2: bool) -> dict:
     }
 
 
+# ------------------------------------------------------------------------ packing
+def bench_packing_section(sizes, args, rounds: int) -> dict:
+    """tools/bench_packing.py on these sizes (smoke: tiny, a 128-token cap, one round)."""
+    import bench_packing
+
+    if args.smoke:
+        return {"tiny": bench_packing.bench_shape("tiny", 128, 1, 16, 1)}
+    out = {}
+    for size in sizes:
+        _, prompts, micro = bench_packing.SHAPES[size]
+        out[size] = bench_packing.bench_shape(size, args.packing_cap, rounds, prompts, micro)
+    return out
+
+
 # ------------------------------------------------------------------------ compile
 def bench_compile(workdir: Path) -> dict:
     """The tiny config's first two steps in fresh processes sharing one fresh cache."""
@@ -406,6 +423,10 @@ def print_report(report: dict) -> None:
                 f"{s['speedup']:7.1f}x{s['decode_ms_per_token_step']:16.2f}"
                 f"{100 * s['decode_vs_bandwidth_limit']:13.0f}%"
             )
+    if report.get("packing"):
+        import bench_packing
+
+        bench_packing.print_report(report["packing"])
     if report.get("compile"):
         c = report["compile"]
         print("\n== tiny config (configs/tiny.yaml) in a fresh process; seconds")
@@ -432,6 +453,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler comparison")
     ap.add_argument("--no-slots", action="store_true", help="skip the decode-slot tables")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
+    ap.add_argument("--no-packing", action="store_true", help="skip packed vs padded steps")
+    ap.add_argument("--packing-cap", type=int, default=256, help="packing: completion cap")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the JSON")
     ap.add_argument("--label", default="", help="a name saved with the results")
     args = ap.parse_args(argv)
@@ -469,6 +492,8 @@ def main(argv=None) -> dict:
                 report["sampler_skipped"] = f"{type(e).__name__}: {e}"
         if not args.no_slots:
             report["decode_slots"] = bench_slots_section(args.smoke, "smollm2" in sizes)
+        if not args.no_packing:
+            report["packing"] = bench_packing_section(sizes, args, rounds)
         if not args.no_compile:
             report["compile"] = bench_compile(Path(tmp))
     print_report(report)

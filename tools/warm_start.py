@@ -1,14 +1,20 @@
-"""Warm start of the demo: a tiny random Qwen2 fine-tuned (SFT) on the arithmetic task, cached.
+"""Warm start of a demo: a tiny random Qwen2 fine-tuned (SFT) on the config's task, cached.
 
     python tools/warm_start.py --config configs/demo.yaml        # what `make demo` runs
+    python tools/warm_start.py --config configs/demo_tools.yaml --steps 240 --batch-size 32
+                                                     # what `make demo-tools` runs
 
 Reads the task (data.*) and the output folder (model.path) from the training config, so the
 warm start and the GRPO run always agree on the task. Then:
 
-  1. builds the tiny random Qwen2 (`build_tiny_model`, size from --hidden/--layers/...),
-  2. trains it with teacher forcing on the bare format `12+34=` -> `46<eos>` (loss: mean token
-     NLL over the completion tokens and EOS only; prompts come from the task's training stream,
-     which excludes the held-out set), AdamW, one jitted step, a fixed number of steps,
+  1. builds the tiny random Qwen2 (`build_tiny_model`, size from --hidden/--layers/...; a chat
+     task such as calculator gets the ChatML tokenizer with the tool-aware template),
+  2. trains it with teacher forcing (loss: mean token NLL over the target tokens only; examples
+     come from the task's training stream, which excludes the held-out set), AdamW, one jitted
+     step, a fixed number of steps. Targets: bare tasks `12+34=` -> `46<eos>`; chat tasks the
+     task's ideal conversation (calculator: call, result, answer) laid out by
+     `jgrpo.rollout.conversation.ChatFormat.encode` exactly as a rollout lays it out (same
+     prompt ids, tool schemas and reply ids), the loss on the assistant turns' ids only,
   3. measures greedy held-out accuracy the way `jgrpo train` validates (same task.val),
   4. writes an HF folder (config, safetensors, tokenizer) beside model.path and renames it into
      place, with `warm_start.json` holding the settings, their hash and the results.
@@ -99,25 +105,50 @@ def encode(text: str) -> list[int]:
     return [4 + b for b in text.encode()]
 
 
-def make_sft_arrays(task, num_rows: int, eos_id: int, pad_id: int):
-    """(input_ids [N, T] int32, loss_mask [N, T] f32): prompt ++ completion ++ EOS, right-padded.
-
-    loss_mask is 1 on the completion tokens and EOS (aligned with the tokens they score)."""
+def make_sft_arrays(task, num_rows: int, tokenizer):
+    """(input_ids [N, T] int32, loss_mask [N, T] f32) of the task's next `num_rows` training
+    examples, right-padded: bare tasks prompt ++ completion ++ EOS, chat tasks the ideal
+    conversation (`ChatFormat.encode`). loss_mask is 1 on the target ids (completion and EOS;
+    each assistant turn through its end-of-turn id), aligned with the tokens they score."""
     import numpy as np
 
-    rows = []
-    for ex in task.train.next_prompts(num_rows):
-        prompt = encode(task.format_prompt(ex))
-        target = encode(task.reference_completion(ex)) + [eos_id]
-        rows.append((prompt, target))
-    width = max(len(p) + len(t) for p, t in rows)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    examples = task.train.next_prompts(num_rows)
+    if task.needs_chat_template:
+        rows = chat_traces(task, examples, tokenizer)
+    else:
+        rows = []
+        for ex in examples:
+            prompt = encode(task.format_prompt(ex))
+            target = encode(task.reference_completion(ex)) + [eos_id]
+            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
+    width = max(len(ids) for ids, _ in rows)
     width = -(-width // 8) * 8
     ids = np.full((num_rows, width), pad_id, np.int32)
     mask = np.zeros((num_rows, width), np.float32)
-    for i, (p, t) in enumerate(rows):
-        ids[i, : len(p) + len(t)] = p + t
-        mask[i, len(p) : len(p) + len(t)] = 1.0
+    for i, (row_ids, row_mask) in enumerate(rows):
+        ids[i, : len(row_ids)] = row_ids
+        mask[i, : len(row_mask)] = row_mask
     return ids, mask
+
+
+def chat_traces(task, examples, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss_mask) of each example's ideal conversation, as the rollout tokenises it: the
+    tools' schemas from the task's tool processes, the EOS as the stop id (checked: the first
+    trace starts with exactly the rollout's prompt ids)."""
+    from jgrpo.rollout.conversation import ChatFormat
+
+    if not hasattr(task.kind, "reference_messages"):
+        raise SystemExit(f"warm start: task {task.cfg.task!r} has no reference conversation")
+    schemas = task.tool_runner.schemas or None
+    chat = ChatFormat(tokenizer, [tokenizer.eos_token_id], schemas)
+    rows = [
+        chat.encode(task.prompt_messages(ex) + task.kind.reference_messages(ex)) for ex in examples
+    ]
+    prompt = task.format_prompt(examples[0], tokenizer, tools=schemas)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert rows[0][0][: len(prompt_ids)] == prompt_ids, prompt
+    return rows
 
 
 # ----------------------------------------------------------------------------- training
@@ -146,11 +177,13 @@ def train_sft(settings: Settings, base_folder: Path, cfg, log=print):
     s = settings
     data_cfg = dataclasses.replace(cfg.data, use_chat_template=False)
     task = make_task(data_cfg, s.data_seed)
-    ids, mask = make_sft_arrays(
-        task, s.steps * s.batch_size, tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
-    first = task.format_prompt(task.val[0]) + task.reference_completion(task.val[0])
-    assert encode(first) == tokenizer(first, add_special_tokens=False)["input_ids"], first
+    try:
+        ids, mask = make_sft_arrays(task, s.steps * s.batch_size, tokenizer)
+        if not task.needs_chat_template:
+            first = task.format_prompt(task.val[0]) + task.reference_completion(task.val[0])
+            assert encode(first) == tokenizer(first, add_special_tokens=False)["input_ids"], first
+    finally:
+        task.close()
     ids = ids.reshape(s.steps, s.batch_size, -1)
     mask = mask.reshape(s.steps, s.batch_size, -1)
 
@@ -214,11 +247,15 @@ def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=prin
     from jgrpo.files import atomic_folder
     from jgrpo.models import save_pretrained
     from jgrpo.models.tiny import build_tiny_model
+    from jgrpo.tasks import make_task
 
+    # chat tasks (calculator) need builtin:tiny-qwen2-chat's tokenizer and tool-aware template
+    chat = make_task(cfg.data, settings.data_seed, load_data=False).needs_chat_template
     with tempfile.TemporaryDirectory() as tmp:
         base = build_tiny_model(
             Path(tmp) / "base",
             seed=settings.init_seed,
+            chat=chat,
             hidden_size=settings.hidden_size,
             num_hidden_layers=settings.num_layers,
             num_attention_heads=settings.num_heads,

@@ -205,7 +205,8 @@ def check_logging(logging: LoggingConfig) -> None:
 
 
 def check_grpo(cfg: Config) -> None:
-    """grpo: the batch splits, group size, pass@k and the logprob-error threshold."""
+    """grpo: the batch splits, group size, pass@k, the packing budget and the logprob-error
+    threshold."""
     g = cfg.grpo
     _require(
         g.batch_size % g.num_minibatches == 0,
@@ -221,6 +222,17 @@ def check_grpo(cfg: Config) -> None:
         g.num_generations_per_prompt >= 2 or g.advantage.estimator == "reinforce_plus_plus",
         "grpo.num_generations_per_prompt: group baselines need at least 2 generations",
     )
+    if g.packing_budget is not None:
+        _require(
+            g.sequence_packing,
+            "grpo.packing_budget: set, but grpo.sequence_packing is false (nothing is packed)",
+        )
+        least = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
+        _require(
+            least <= g.packing_budget <= MAX_SEQUENCE,
+            f"grpo.packing_budget: must lie in [rollout.prompt_bucket + rollout.max_new_tokens "
+            f"= {least}, {MAX_SEQUENCE}], got {g.packing_budget}",
+        )
     if g.seq_logprob_error_threshold is not None:
         _require(
             g.seq_logprob_error_threshold >= 1.0,

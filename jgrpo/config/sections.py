@@ -299,6 +299,10 @@ class GRPOConfig:
     """Informative = the unshaped reward (or the verifier's correct) is not all equal."""
     batch_multiplier: float = 1.0
     """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
+    sequence_packing: bool = False
+    """Train step over the rows packed first-fit decreasing: the same loss, less padding."""
+    packing_budget: Optional[int] = None
+    """Tokens per packed row (None = the batch's row width: prompt width + max_new_tokens)."""
 
     @property
     def gen_prompts_per_batch(self) -> int:

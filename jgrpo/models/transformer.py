@@ -348,10 +348,10 @@ class Transformer(nnx.Module):
         return tuple(_fuse_layer_params(stacked, i, self.cfg) for i in range(self.cfg.num_layers))
 
     def _attention_inputs(
-        self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None
+        self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None, segments=None
     ):
-        """-> (mask_bts: causal & key padding, RoPE tables) for a forward over t tokens; given
-        positions are < `positions_below` when it is known (see `rope_tables`)."""
+        """-> (mask_bts: causal & key padding & one segment of `segments` [b, t] (packed rows),
+        RoPE tables) for t tokens; positions are < `positions_below` if known (`rope_tables`)."""
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
             attention_mask_bt = jnp.ones((b, t), jnp.bool_)
@@ -361,11 +361,16 @@ class Transformer(nnx.Module):
             rope = rope_tables(self.cfg, positions_bt, num_positions=t)
         else:
             rope = rope_tables(self.cfg, positions_bt, num_positions=positions_below)
-        causal_ts = jnp.tril(jnp.ones((t, t), jnp.bool_))
-        return causal_ts[None] & mask_bt[:, None, :], rope
+        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & mask_bt[:, None, :]
+        if segments is not None:
+            mask_bts &= segments[:, :, None] == segments[:, None, :]
+        return mask_bts, rope
 
-    def _hidden(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True):
+    def _hidden(
+        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, segments=None
+    ):
         """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
+        `segments` = (positions_bt, segment_ids_bt) of packed rows (`token_logprobs`).
 
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
@@ -376,7 +381,13 @@ class Transformer(nnx.Module):
         layer input enters the checkpoint as its integer view too, so the stack of inputs the
         backward keeps is uint16, not float32."""
         cfg = self.cfg
-        mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+        if segments is None:
+            mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+        else:  # every position of a packed row is < its width
+            positions_bt, segments_bt = segments
+            mask_bts, rope = self._attention_inputs(
+                input_ids_bt, positions_bt, segments_bt > 0, input_ids_bt.shape[1], segments_bt
+            )
 
         def layer(x_in, xs):
             x_bits, x_btd = x_in  # x_bits: x_btd's uint16 view (the remat residual) or None
@@ -425,12 +436,16 @@ class Transformer(nnx.Module):
         *,
         use_lora=True,
         first_scored=1,
+        packed=None,
     ):
         """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
         temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
         without ever holding [b, t, v] logits. `first_scored` (static): columns before it
         are 0 and their logits are never computed (the trainer passes rollout.prompt_bucket:
         no generated token sits left of it, and a prompt's logprobs are never used).
+        `packed` = (positions_bt, segment_ids_bt, scored_bn) of packed rows (jgrpo.packing):
+        attention within segments, and the [b, n] logprobs of the tokens at columns scored_bn
+        only (0 where scored_bn is 0).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
         `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
@@ -442,16 +457,22 @@ class Transformer(nnx.Module):
         (no mesh, or one that does not split the vocab) the head is cast once, before the
         chunk loop."""
         cfg = self.cfg
-        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora))
+        seg = None if packed is None else packed[:2]
+        x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, seg))
         b, t = input_ids_bt.shape
         first = min(max(int(first_scored), 1), t)
-        n = t - first  # scored columns first .. t-1, each from the position before it
+        if packed is None:  # scored columns first .. t-1, each from the position before it
+            n, targets_bn, x_bnd = t - first, input_ids_bt[:, first:], x_btd[:, first - 1 : t - 1]
+        else:  # the tokens of the scored slots, each from the position before it
+            n, scored_bn = packed[2].shape[1], packed[2]
+            targets_bn = jnp.take_along_axis(input_ids_bt, scored_bn, axis=1)
+            x_bnd = jnp.take_along_axis(x_btd, jnp.maximum(scored_bn - 1, 0)[..., None], axis=1)
         if n == 0:
-            return jnp.zeros((b, t), jnp.float32)
+            return jnp.zeros((b, t if packed is None else 0), jnp.float32)
         c = min(cfg.logprob_chunk_size or n, n)
         k = -(-n // c)
-        targets_bn = jnp.pad(input_ids_bt[:, first:], ((0, 0), (0, k * c - n)))
-        x_bnd = jnp.pad(x_btd[:, first - 1 : t - 1], ((0, 0), (0, k * c - n), (0, 0)))
+        targets_bn = jnp.pad(targets_bn, ((0, 0), (0, k * c - n)))
+        x_bnd = jnp.pad(x_bnd, ((0, 0), (0, k * c - n), (0, 0)))
         x_kbcd = jnp.swapaxes(x_bnd.reshape(b, k, c, -1), 0, 1)
         targets_kbc = jnp.swapaxes(targets_bn.reshape(b, k, c), 0, 1)
         temperature = jnp.asarray(temperature, jnp.float32)
@@ -490,6 +511,8 @@ class Transformer(nnx.Module):
 
         lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
         lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
+        if packed is not None:
+            return jnp.where(packed[2] > 0, lp_bn, 0.0)
         return jnp.pad(lp_bn, ((0, 0), (first, 0)))
 
     def prefill(

@@ -105,20 +105,11 @@ def _driver_paths() -> dict[str, str]:
     return {"PYTHONPATH": path} if path else {}
 
 
-_WORKER_OWNED_XLA_FLAGS = (
-    "--xla_force_host_platform_device_count",
-    "--xla_cpu_multi_thread_eigen",
-    "intra_op_parallelism_threads",
-)
-"""XLA flags a worker sets for itself (its device count and threads); the driver's others pass."""
-
-
 def _driver_xla_flags() -> list[str]:
-    """The driver's XLA_FLAGS less the ones a worker sets itself: a worker compiles the sampler as
-    the driver compiles it (optimisation level, precision and debug flags), so the rollouts of
-    Ray workers and of the in-process sampler agree token for token and logprob for logprob."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return [f for f in flags if not f.startswith(_WORKER_OWNED_XLA_FLAGS)]
+    """The driver's XLA_FLAGS less those a worker sets itself (device count, threads): workers
+    compile the sampler as the driver does, so Ray and local rollouts agree bit for bit."""
+    own = ("--xla_force_host_platform_device_count", "--xla_cpu_multi_thread_eigen", "intra_op")
+    return [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(own)]
 
 
 def worker_resources(
