@@ -575,9 +575,7 @@ class Transformer(nnx.Module):
         place in a loop carry; a [b] array `slot` gives each row its own column: a scatter).
         Positions must be < the number of cache slots (a token's slot bounds it). `attend_len`
         (static) limits attention to cache slots [0, attend_len): the caller promises no slot
-        past it is wanted yet (the sampler decodes in segments so early tokens do not pay for
-        the whole cache).
-        """
+        past it is wanted yet (the sampler decodes in segments: early tokens read less)."""
         cfg = self.cfg
         path = resolve_kernels(cfg.kernels)
         num_slots = _kernels.cache_slots(cache.keys[0], path)
