@@ -16,9 +16,10 @@ One run measures, side by side:
   slots      the sampler's decode slots (`rollout.decode_slots`) vs one batch of every row, with
              and without shared prefill, on skewed and uniform completion lengths
              (tools/bench_sampler.py --slots);
-  packing    the train step and the whole GRPO step (sampler + train) with
-             `grpo.sequence_packing` vs today's padded rows, on a skewed and a uniform length
-             workload (tools/bench_packing.py);
+  packing    the whole GRPO step, today's (the sampler as one batch of every row + the padded
+             train step) vs decode slots (`rollout.decode_slots`) + `grpo.sequence_packing`,
+             each phase and the whole step, on a skewed and a uniform length workload
+             (tools/bench_packing.py);
   compile    the tiny config's first step in a fresh process: cold compilation cache vs warm
              (`jgrpo.compile_cache`), and the steady step after it.
 
@@ -327,7 +328,8 @@ def bench_slots_section(smoke: bool, with_smollm2: bool) -> dict:
 
 # ------------------------------------------------------------------------ packing
 def bench_packing_section(sizes, args, rounds: int) -> dict:
-    """tools/bench_packing.py on these sizes (smoke: tiny, a 128-token cap, one round)."""
+    """tools/bench_packing.py's whole-step table on these sizes (smoke: tiny, a 128-token cap,
+    one round)."""
     import bench_packing
 
     if args.smoke:
@@ -453,7 +455,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler comparison")
     ap.add_argument("--no-slots", action="store_true", help="skip the decode-slot tables")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
-    ap.add_argument("--no-packing", action="store_true", help="skip packed vs padded steps")
+    ap.add_argument("--no-packing", action="store_true", help="skip the whole-step table")
     ap.add_argument("--packing-cap", type=int, default=256, help="packing: completion cap")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the JSON")
     ap.add_argument("--label", default="", help="a name saved with the results")

@@ -1,22 +1,32 @@
-"""Packed sequences (`grpo.sequence_packing`) vs today's padded rows, side by side in one run.
+"""The whole GRPO step, today's against decode slots + packing, side by side in one run.
 
-Workloads: P prompts x 8 generations, 64-token prompts, completions capped at `--cap` tokens;
-`skewed`: lengths log-normal with median cap / 8, a few at the cap
-(`jgrpo.inspect_step.completion_lengths`); `uniform`: every row at the cap (nothing to pack:
-packing must cost nothing). Shapes: `tiny`, the random Qwen2 of tools/bench.py (d 128,
-2 layers, vocab 264), 16 prompts; `smollm2`, SmolLM2-135M-Instruct's weights (30 layers, d 576,
-vocab 49152), 2 prompts in 2 microbatches by default (`--smollm2-prompts`: one padded step
-of 16 rows of 320 tokens takes minutes on 2 cores).
+today = the sampler as one batch of every row, decoding until its longest row stops, then the
+train step on padded rows (`grpo.sequence_packing=false`); new = the sampler with
+`rollout.decode_slots` S (default rows / 4: the best count of tools/bench_sampler.py --slots
+on 128 rows) then the packed train step (`grpo.sequence_packing=true`).
 
-Per (shape, workload), in interleaved rounds: the sampler (`jgrpo.sampling.generate`, EOS off)
-draws every row to the cap, as today's sampler decodes until its longest row stops; the rows
-are cut to the drawn lengths; the train step runs on them unpacked and packed (host packing and
-the batch's transfer included in both). The whole GRPO step is the sampler + the train step of
-the same round. Medians; the train step's matmul flops of both layouts from their shapes
-(`inspect_step.analytic_flops`) beside them.
+Workloads: P prompts x 8 generations, 64-token prompts, completions capped at `--cap`. The rows
+really stop, by tools/bench_sampler.py's mechanism (its `uniform_draw_model`: random weights,
+an all-zero LM head, so every token is drawn uniformly; `skewed_stops`: the first k ids stop a
+row): `skewed`, lengths geometric with median ~cap / 8 (the cap truncates the tail);
+`uniform`, no stop ids, every row runs to the cap. Both samplers get the same key, so they draw
+the same tokens (checked: `same tokens`) and both train steps get the same lengths. Shapes:
+`tiny`, the random Qwen2 of tools/bench.py (d 128, 2 layers, vocab 264), 16 prompts; `smollm2`,
+SmolLM2-135M's shape (30 layers, d 576, vocab 49152; random weights, untied for the zero head:
++28M LM-head parameters in the step) with `model.remat=full`, `--smollm2-prompts` prompts
+(default 2) in `--smollm2-microbatches` microbatches (its steps take minutes on 2 cores).
+
+Per (shape, workload), in interleaved rounds (round 0 compiles and is not timed; the order of
+the two samplers and of the two train steps alternates by round): both samplers, then both
+train steps on that round's rows (host packing and the batch's transfer included). Medians over
+rounds of each phase and of each side's whole step (sampler + train step of the same round).
+Flops from the shapes: the train step's executed matmul flops of each layout
+(`inspect_step.analytic_flops`), the sampler's useful ones (`bench.generation_flops` of each
+row's own length; the padding a sampler decodes is not counted), as GFLOP/s beside the float32
+matmul limit `bench.machine_limits` measures in the same run.
 
     python tools/bench_packing.py [--shapes tiny,smollm2] [--cap 256] [--rounds 3]
-        [--workloads skewed,uniform] [--smollm2-prompts 2] [--smollm2-microbatches 2]
+        [--workloads skewed,uniform] [--slots S] [--smollm2-prompts 2] [--smollm2-microbatches 2]
 """
 
 from __future__ import annotations
@@ -37,12 +47,15 @@ from flax import nnx
 from jgrpo import step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
-from jgrpo.inspect_step import analytic_flops, chunk_padded, completion_lengths
-from jgrpo.models import Transformer, TransformerConfig, load_policy
+from jgrpo.inspect_step import analytic_flops, chunk_padded
+from jgrpo.models import TransformerConfig, policy_config
+from jgrpo.models.policy import model_options
 from jgrpo.models.tiny import tiny_model_fields
 from jgrpo.sampling import SamplingParams, generate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench, bench_sampler
+from bench_sampler import skewed_stops, uniform_draw_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 64
 """Prompt tokens of every row (one prompt bucket)."""
@@ -50,17 +63,11 @@ GENERATIONS = 8
 SHAPES = {
     # name: (extra config overrides, prompts, microbatches)
     "tiny": (["model.logprob_chunk_size=128"], 16, 1),
-    "smollm2": (["model.remat=full", "model.logprob_chunk_size=32"], 2, 2),
+    "smollm2": (["model.path=smollm2", "model.remat=full", "model.logprob_chunk_size=32"], 2, 2),
 }
 WORKLOADS = ("skewed", "uniform")
-
-
-def make_model(shape: str):
-    if shape == "tiny":
-        fields = tiny_model_fields(width=128, vocab_size=264)
-        return Transformer(TransformerConfig(**fields), rngs=nnx.Rngs(0), init_scale=0.1)
-    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), ["model.path=smollm2"])
-    return load_policy(cfg.model)
+SIDES = {"today": ("one_batch", "padded"), "new": ("slots", "packed")}
+"""Each side's whole step: (its sampler, its train step)."""
 
 
 def step_config(shape: str, prompts: int, cap: int, packed: bool, microbatches: int):
@@ -80,11 +87,23 @@ def step_config(shape: str, prompts: int, cap: int, packed: bool, microbatches: 
     )
 
 
-def rollout_batch(generation, lengths_b, group: int, seed: int) -> TrainBatch:
-    """The sampler's rows cut to `lengths_b` generated tokens (the rest padding)."""
+def make_model(shape: str, cfg):
+    """`shape`'s model under the step config's model options (remat, logprob chunk, dtype),
+    with random weights and an all-zero LM head (bench_sampler.uniform_draw_model)."""
+    if shape == "tiny":
+        arch = TransformerConfig(
+            **tiny_model_fields(width=128, vocab_size=264), **model_options(cfg.model)
+        )
+    else:
+        arch = policy_config(cfg.model)
+    return uniform_draw_model(arch)
+
+
+def rollout_batch(generation, group: int, seed: int) -> TrainBatch:
+    """The sampler's rows as the trainer gets them: prompt + each row's own generated tokens
+    (`generation.lengths`, the stop included), padding after; rewards drawn from `seed`."""
     b, cap = generation.tokens.shape
-    cols = np.arange(cap)
-    generated = cols < np.asarray(lengths_b)[:, None]
+    generated = np.arange(cap) < generation.lengths[:, None]
     prompt_real = np.arange(generation.prompt_tokens.shape[1]) >= (
         generation.prompt_tokens.shape[1] - generation.prompt_lengths[:, None]
     )
@@ -127,122 +146,203 @@ class Trainer:
         return time.perf_counter() - start
 
 
+def sampler_flops(model_cfg, lengths_b) -> float:
+    """Useful matmul flops of sampling: each row's prefill and its own generated tokens."""
+    from bench import generation_flops  # tools/bench.py
+
+    return float(sum(generation_flops(model_cfg, 1, PROMPT, int(n)) for n in lengths_b))
+
+
 def bench_shape(
-    shape: str, cap: int, rounds: int, prompts: int, microbatches: int, workloads=WORKLOADS
+    shape: str,
+    cap: int,
+    rounds: int,
+    prompts: int,
+    microbatches: int,
+    workloads=WORKLOADS,
+    slots: int | None = None,
 ) -> dict:
-    model = make_model(shape)
-    trainer = Trainer(
-        {
-            name: step_config(shape, prompts, cap, packed, microbatches)
-            for name, packed in (("padded", False), ("packed", True))
-        },
-        model,
-    )
-    cfg = trainer.built["packed"].cfg
     rows = prompts * GENERATIONS
-    params = SamplingParams(
-        max_new_tokens=cap, temperature=1.0, prompt_bucket=PROMPT, ignore_eos=True
-    )
+    slots = slots or max(1, rows // 4)
+    cfgs = {
+        name: step_config(shape, prompts, cap, packed, microbatches)
+        for name, packed in (("padded", False), ("packed", True))
+    }
+    model = make_model(shape, cfgs["packed"])
+    trainer = Trainer(cfgs, model)
+    m = model.cfg
     rng = np.random.RandomState(0)
-    vocab = model.cfg.vocab_size
-    prompt_ids = [list(rng.randint(1, vocab, PROMPT)) for _ in range(prompts)]
-    prompt_rows = [p for p in prompt_ids for _ in range(GENERATIONS)]
     out = {}
     for workload in workloads:
-        lengths_b = completion_lengths(workload, rows, cap, seed=0)
-        records = {"sampler": [], "padded": [], "packed": []}
+        stops = skewed_stops(m.vocab_size, cap) if workload == "skewed" else ()
+        prompt_ids = [
+            list(rng.randint(len(stops) + 1, m.vocab_size, PROMPT)) for _ in range(prompts)
+        ]
+        prompt_rows = [p for p in prompt_ids for _ in range(GENERATIONS)]
+        params = {
+            name: SamplingParams(
+                max_new_tokens=cap,
+                temperature=1.0,
+                stop_token_ids=stops,
+                ignore_eos=True,
+                pad_id=0,
+                prompt_bucket=PROMPT,
+                decode_slots=s,
+            )
+            for name, s in (("one_batch", None), ("slots", slots))
+        }
+        per_round = []
         first = {}
         for r in range(rounds + 1):  # round 0: compile and warm, not timed
-            start = time.perf_counter()
-            generation = generate(model, prompt_rows, params, jax.random.key(r))
-            sampler_s = time.perf_counter() - start
-            host = rollout_batch(generation, lengths_b, GENERATIONS, seed=r)
-            order = ("padded", "packed") if r % 2 else ("packed", "padded")
-            times = {name: trainer(name, host) for name in order}
+            times, gens = {}, {}
+            for name in ("one_batch", "slots")[:: 1 if r % 2 else -1]:
+                start = time.perf_counter()
+                gens[name] = generate(model, prompt_rows, params[name], jax.random.key(r))
+                times[name] = time.perf_counter() - start
+            gen = gens["one_batch"]
+            host = rollout_batch(gen, GENERATIONS, seed=r)
+            for name in ("padded", "packed")[:: 1 if r % 2 else -1]:
+                times[name] = trainer(name, host)
             if r == 0:
-                first = {"sampler": sampler_s, **times}
+                first = times
                 continue
-            records["sampler"].append(sampler_s)
-            for name in order:
-                records[name].append(times[name])
-        med = {k: statistics.median(v) for k, v in records.items()}
-        whole = {
-            name: statistics.median(s + t for s, t in zip(records["sampler"], records[name]))
-            for name in ("padded", "packed")
-        }
-        layout = trainer.built["packed"].device_batch(host).layout
-        packed_rows, width = layout.input_ids.shape
-        head = packed_rows * chunk_padded(cap, model.cfg.logprob_chunk_size)
-        flops_packed = analytic_flops(cfg, model.cfg, [width] * packed_rows, head)["step"]
-        out[workload] = {
-            "completion_length_median": float(np.median(lengths_b)),
-            "completion_length_mean": float(np.mean(lengths_b)),
+            layout = trainer.built["packed"].device_batch(host).layout
+            packed_rows, width = layout.input_ids.shape
+            head = packed_rows * chunk_padded(cap, m.logprob_chunk_size)
+            per_round.append(
+                {
+                    "same_tokens": bool(
+                        np.array_equal(gen.tokens, gens["slots"].tokens)
+                        and np.array_equal(gen.lengths, gens["slots"].lengths)
+                    ),
+                    "length_median": float(np.median(gen.lengths)),
+                    "length_mean": float(np.mean(gen.lengths)),
+                    "length_max": int(gen.lengths.max()),
+                    "tokens_generated": int(gen.lengths.sum()),
+                    "decode_steps_one_batch": gens["one_batch"].num_decode_steps,
+                    "decode_steps_slots": gens["slots"].num_decode_steps,
+                    "tokens_real": int(PROMPT * rows + gen.lengths.sum()),
+                    "tokens_packed": packed_rows * width,
+                    "packed_rows": packed_rows,
+                    "sampler_flops": sampler_flops(m, gen.lengths),
+                    "train_flops_packed": analytic_flops(
+                        cfgs["packed"], m, [width] * packed_rows, head
+                    )["step"],
+                    **{f"{k}_s": t for k, t in times.items()},
+                }
+            )
+        flops_padded = analytic_flops(cfgs["padded"], m)["step"]
+        for rec in per_round:
+            rec["train_flops_padded"] = flops_padded
+            for side, (sampler, train) in SIDES.items():
+                rec[f"step_{side}_s"] = rec[f"{sampler}_s"] + rec[f"{train}_s"]
+                rec[f"step_{side}_flops"] = rec["sampler_flops"] + rec[f"train_flops_{train}"]
+
+        res = {
             "rows": rows,
-            "tokens_real": int((PROMPT + lengths_b).sum()),
+            "slots": slots,
+            "stop_ids": len(stops),
+            "same_tokens_every_round": all(rec["same_tokens"] for rec in per_round),
             "tokens_padded": rows * (PROMPT + cap),
-            "tokens_packed": packed_rows * width,
-            "packed_rows": packed_rows,
-            "train_flops_padded": analytic_flops(cfg, model.cfg)["step"],
-            "train_flops_packed": flops_packed,
-            "sampler_s": med["sampler"],
-            "train_padded_s": med["padded"],
-            "train_packed_s": med["packed"],
-            "train_speedup": med["padded"] / med["packed"],
-            "step_padded_s": whole["padded"],
-            "step_packed_s": whole["packed"],
-            "step_speedup": whole["padded"] / whole["packed"],
-            "first_call_s": first,
-            "round_s": records,
-            "rounds": rounds,
+            **{k: med_of(per_round, k) for k in per_round[0] if k != "same_tokens"},
         }
+        res["sampler_tokens_per_s_one_batch"] = med_ratio(
+            per_round, "tokens_generated", "one_batch_s"
+        )
+        res["sampler_tokens_per_s_slots"] = med_ratio(per_round, "tokens_generated", "slots_s")
+        res["sampler_speedup"] = res["one_batch_s"] / res["slots_s"]
+        res["train_speedup"] = res["padded_s"] / res["packed_s"]
+        res["step_speedup"] = res["step_today_s"] / res["step_new_s"]
+        res["step_speedup_paired"] = med_ratio(per_round, "step_today_s", "step_new_s")
+        res["sampler_gflops_per_s_one_batch"] = (
+            med_ratio(per_round, "sampler_flops", "one_batch_s") / 1e9
+        )
+        res["sampler_gflops_per_s_slots"] = med_ratio(per_round, "sampler_flops", "slots_s") / 1e9
+        res["train_gflops_per_s_padded"] = (
+            med_ratio(per_round, "train_flops_padded", "padded_s") / 1e9
+        )
+        res["train_gflops_per_s_packed"] = (
+            med_ratio(per_round, "train_flops_packed", "packed_s") / 1e9
+        )
+        res["step_gflops_per_s_today"] = (
+            med_ratio(per_round, "step_today_flops", "step_today_s") / 1e9
+        )
+        res["step_gflops_per_s_new"] = med_ratio(per_round, "step_new_flops", "step_new_s") / 1e9
+        res["first_call_s"] = first
+        res["rounds"] = per_round
+        out[workload] = res
     out["model"] = {
-        "layers": model.cfg.num_layers,
-        "hidden": model.cfg.hidden_size,
-        "vocab": model.cfg.vocab_size,
+        "layers": m.num_layers,
+        "hidden": m.hidden_size,
+        "vocab": m.vocab_size,
+        "remat": m.remat,
         "prompts": prompts,
         "generations": GENERATIONS,
         "prompt_tokens": PROMPT,
         "cap": cap,
+        "slots": slots,
         "microbatches": microbatches,
         "rounds": rounds,
     }
     return out
 
 
+def med_of(per_round: list[dict], key: str) -> float:
+    return statistics.median(rec[key] for rec in per_round)
+
+
+def med_ratio(per_round: list[dict], num: str, den: str) -> float:
+    """Median over rounds of num / den paired by round."""
+    return statistics.median(rec[num] / rec[den] for rec in per_round)
+
+
+TABLE = (
+    # label, key, format (GFLOP keys are in flops)
+    ("completion length median", "length_median", "{:.0f}"),
+    ("completion length max", "length_max", "{:.0f}"),
+    ("same tokens (every round)", "same_tokens_every_round", "{}"),
+    ("decode steps, one batch", "decode_steps_one_batch", "{:.0f}"),
+    ("decode steps, slots", "decode_steps_slots", "{:.0f}"),
+    ("sampler one batch, s", "one_batch_s", "{:.3f}"),
+    ("sampler slots, s", "slots_s", "{:.3f}"),
+    ("sampler speedup", "sampler_speedup", "{:.2f}x"),
+    ("sampler tok/s one batch", "sampler_tokens_per_s_one_batch", "{:.0f}"),
+    ("sampler tok/s slots", "sampler_tokens_per_s_slots", "{:.0f}"),
+    ("tokens padded / packed", None, None),
+    ("train padded, s", "padded_s", "{:.3f}"),
+    ("train packed, s", "packed_s", "{:.3f}"),
+    ("train speedup", "train_speedup", "{:.2f}x"),
+    ("GRPO step today, s", "step_today_s", "{:.3f}"),
+    ("GRPO step new, s", "step_new_s", "{:.3f}"),
+    ("GRPO step speedup", "step_speedup", "{:.2f}x"),
+    ("  paired by round", "step_speedup_paired", "{:.2f}x"),
+    ("GFLOP/s sampler 1 batch", "sampler_gflops_per_s_one_batch", "{:.1f}"),
+    ("GFLOP/s sampler slots", "sampler_gflops_per_s_slots", "{:.1f}"),
+    ("GFLOP/s train padded", "train_gflops_per_s_padded", "{:.1f}"),
+    ("GFLOP/s train packed", "train_gflops_per_s_packed", "{:.1f}"),
+    ("GFLOP/s step today", "step_gflops_per_s_today", "{:.1f}"),
+    ("GFLOP/s step new", "step_gflops_per_s_new", "{:.1f}"),
+)
+
+
 def print_report(report: dict) -> None:
     for shape, r in report.items():
         m = r["model"]
         print(
-            f"\n== packed vs padded, {shape} ({m['layers']} layers, d {m['hidden']}, vocab "
-            f"{m['vocab']}): {m['prompts']} prompts x {m['generations']}, {m['prompt_tokens']}"
-            f"-token prompts, cap {m['cap']}; medians of {m['rounds']} rounds, s"
+            f"\n== whole GRPO step, today (one batch + padded) vs new ({m['slots']} decode slots"
+            f" + packed), {shape} ({m['layers']} layers, d {m['hidden']}, vocab {m['vocab']}, "
+            f"remat {m['remat']}): {m['prompts']} prompts x {m['generations']}, "
+            f"{m['prompt_tokens']}-token prompts, cap {m['cap']}, {m['microbatches']} "
+            f"microbatches; medians of {m['rounds']} rounds"
         )
-        print(f"{'':30s}{'skewed':>12s}{'uniform':>12s}")
-        rows = (
-            ("completion length median", "completion_length_median", "{:.0f}"),
-            ("tokens real", "tokens_real", "{:d}"),
-            ("tokens padded (today)", "tokens_padded", "{:d}"),
-            ("tokens packed", "tokens_packed", "{:d}"),
-            ("train GFLOP padded", "train_flops_padded", "{:.1f}"),
-            ("train GFLOP packed", "train_flops_packed", "{:.1f}"),
-            ("train step padded", "train_padded_s", "{:.3f}"),
-            ("train step packed", "train_packed_s", "{:.3f}"),
-            ("train speedup", "train_speedup", "{:.2f}x"),
-            ("sampler (same for both)", "sampler_s", "{:.3f}"),
-            ("GRPO step padded", "step_padded_s", "{:.3f}"),
-            ("GRPO step packed", "step_packed_s", "{:.3f}"),
-            ("GRPO step speedup", "step_speedup", "{:.2f}x"),
-        )
-        for label, key, form in rows:
-            cells = []
-            for w in WORKLOADS:
-                if w not in r:
-                    cells.append("-")
-                    continue
-                value = r[w][key]
-                value = value / 1e9 if "flops" in key else value
-                cells.append(form.format(value))
-            print(f"{label:30s}" + "".join(f"{c:>12s}" for c in cells))
+        present = [w for w in WORKLOADS if w in r]
+        print(f"{'':30s}" + "".join(f"{w:>16s}" for w in present))
+        for label, key, form in TABLE:
+            if key is None:
+                cells = [f"{r[w]['tokens_padded']}/{r[w]['tokens_packed']:.0f}" for w in present]
+            else:
+                cells = [form.format(r[w][key]) for w in present]
+            print(f"{label:30s}" + "".join(f"{c:>16s}" for c in cells))
 
 
 def main(argv=None) -> dict:
@@ -250,30 +350,45 @@ def main(argv=None) -> dict:
     ap.add_argument("--shapes", default="tiny,smollm2", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--cap", type=int, default=256, help="completion length cap (new tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
+    ap.add_argument("--slots", type=int, default=None, help="decode slots (default rows / 4)")
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
     ap.add_argument("--smollm2-microbatches", type=int, default=SHAPES["smollm2"][2])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of these")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if set(shapes) - set(SHAPES) or set(workloads) - set(WORKLOADS):
+        ap.error(f"--shapes from {sorted(SHAPES)}, --workloads from {list(WORKLOADS)}")
     import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
 
-    start_load = os.getloadavg()[0]
+    start_load = os.getloadavg()
+    start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     limits = bench.machine_limits(5)
     report = {}
-    for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+    for shape in shapes:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]
         micro = args.smollm2_microbatches if shape == "smollm2" else SHAPES[shape][2]
-        workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-        report[shape] = bench_shape(shape, args.cap, args.rounds, prompts, micro, workloads)
+        report[shape] = bench_shape(
+            shape, args.cap, args.rounds, prompts, micro, workloads, args.slots
+        )
+    end_load = os.getloadavg()
     print(
-        f"machine: {len(os.sched_getaffinity(0))} cores, float32 matmul "
+        f"\n{start} - {time.strftime('%H:%M UTC', time.gmtime())}; machine: "
+        f"{len(os.sched_getaffinity(0))} cores, float32 matmul "
         f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, memory read "
-        f"{limits['memory_read_bytes_per_s'] / 1e9:.1f} GB/s; load average "
-        f"{start_load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+        f"{limits['memory_read_bytes_per_s'] / 1e9:.1f} GB/s; load average (1, 5, 15 min) "
+        f"{'/'.join(f'{x:.1f}' for x in start_load)} at the start, "
+        f"{'/'.join(f'{x:.1f}' for x in end_load)} at the end"
     )
     print_report(report)
     if args.out:
-        meta = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **limits}
+        meta = {
+            "time_utc": start,
+            "load_start": start_load,
+            "load_end": end_load,
+            **limits,
+        }
         Path(args.out).write_text(json.dumps({"machine": meta, **report}, indent=2))
     return report
 
