@@ -28,7 +28,8 @@ row. Tokens/s counts the tokens generated (stop included), so padding never coun
     python tools/bench_sampler.py            # A (7 rounds) and B (2 rounds)
     python tools/bench_sampler.py --quick    # A only, 3 rounds
     python tools/bench_sampler.py --kernels portable   # the GPU/TPU kernel path (on any backend)
-    python tools/bench_sampler.py --slots [--quick]    # the decode-slot table instead
+    python tools/bench_sampler.py --slots [--quick]    # the decode-slot tables instead
+    python tools/bench_sampler.py --slots --config B   # SmolLM2-135M's decode-slot table only
 """
 
 from __future__ import annotations
@@ -321,21 +322,24 @@ def smollm2_shape() -> TransformerConfig:
     return policy_config(ModelConfig(path="smollm2", compute_dtype="float32", remat="none"))
 
 
-def bench_all_slots(quick: bool, with_smollm2: bool, kernels: str = "auto") -> dict:
+def bench_all_slots(
+    quick: bool, with_smollm2: bool, kernels: str = "auto", with_tiny: bool = True
+) -> dict:
     """The decode-slot tables of the tiny shape (cap 256; quick: 32) and SmolLM2-135M's (cap
     64, to keep its uniform rows short) -> {shape: {variant: row}}."""
     results = {}
     tiny_rounds, tiny_block = (1, 1) if quick else (3, 3)
-    results["tiny"] = bench_slots(
-        "tiny",
-        TINY_SHAPE,
-        32 if quick else 256,
-        slot_variants("tiny", quick),
-        tiny_rounds,
-        tiny_block,
-        1,
-        kernels,
-    )
+    if with_tiny:
+        results["tiny"] = bench_slots(
+            "tiny",
+            TINY_SHAPE,
+            32 if quick else 256,
+            slot_variants("tiny", quick),
+            tiny_rounds,
+            tiny_block,
+            1,
+            kernels,
+        )
     if with_smollm2:
         results["smollm2"] = bench_slots(
             "SmolLM2-135M", smollm2_shape(), 64, slot_variants("smollm2"), 2, 1, 0, kernels
@@ -364,7 +368,7 @@ def main(argv=None):
             f"matmul {limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s, memory read "
             f"{limits['memory_read_bytes_per_s'] / 1e9:.1f} GB/s"
         )
-        bench_all_slots(args.quick, config in ("B", "all"), args.kernels)
+        bench_all_slots(args.quick, config in ("B", "all"), args.kernels, config in ("A", "all"))
         return
     rounds = args.rounds or (3 if args.quick else 7)
     torch.set_num_threads(THREADS)
