@@ -132,7 +132,9 @@ def _dims(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None) -> dict:
+def analytic_flops(
+    cfg: Config, model_cfg, row_tokens=None, head_positions=None, scored_width=None
+) -> dict:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
     Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention scores +
@@ -146,9 +148,12 @@ def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None)
     take no weight gradient, so their matmuls cost one more forward only (the activation
     gradient), while attention and the adapters cost two; the reference forward is the base
     alone (adapters skipped). Remat recomputes the layers again (full) or their attention
-    (dots), and always the head (each logprob chunk is a jax.checkpoint). `model` leaves the
-    recompute out (the numerator of MFU), `step` includes it (what the compiled program
-    executes)."""
+    (dots), and the head when it runs in more than one chunk (each chunk is then a
+    jax.checkpoint; a head of one chunk, `scored_width` <= model.logprob_chunk_size, is not:
+    see `Transformer.token_logprobs`). `scored_width`: the positions per row the head scores, which
+    fix its chunk count (default rollout.max_new_tokens; packed: the scored slots per packed
+    row). `model` leaves the recompute out (the numerator of MFU), `step` includes it (what the
+    compiled program executes)."""
     m, g, ro = model_cfg, cfg.grpo, cfg.rollout
     b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
     d, n, k, h, f, v, l = (
@@ -160,8 +165,9 @@ def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None)
         m.vocab_size,
         m.num_layers,
     )
+    scored_width = ro.max_new_tokens if scored_width is None else int(scored_width)
     if head_positions is None:
-        head_positions = b * chunk_padded(ro.max_new_tokens, m.logprob_chunk_size)
+        head_positions = b * chunk_padded(scored_width, m.logprob_chunk_size)
     row_tokens = [t] * b if row_tokens is None else [int(x) for x in row_tokens]
     tokens = sum(row_tokens)
     attention = sum(x * x for x in row_tokens) * l * 4 * n * h
@@ -180,7 +186,8 @@ def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None)
         backward = weights + head + 2 * (attention + adapters)
         ref_forward = base
     layers = weights + attention + adapters
-    recompute = {"none": 0.0, "full": layers, "dots": attention}[m.remat] + head
+    head_recomputed = chunk_count(scored_width, m.logprob_chunk_size) > 1
+    recompute = {"none": 0.0, "full": layers, "dots": attention}[m.remat] + head_recomputed * head
     frozen = (not cfg.skip_ref) * ref_forward + (not cfg.skip_prev) * policy_forward
     model = frozen + policy_forward + backward
     return {
@@ -190,10 +197,16 @@ def analytic_flops(cfg: Config, model_cfg, row_tokens=None, head_positions=None)
     }
 
 
+def chunk_count(positions: int, chunk: int) -> int:
+    """Trips of the chunked LM head's loop for `positions` scored ones per row."""
+    chunk = min(chunk or positions, positions)
+    return -(-positions // chunk) if positions else 0
+
+
 def chunk_padded(positions: int, chunk: int) -> int:
     """Positions the chunked LM head computes for `positions` scored ones (whole chunks)."""
     chunk = min(chunk or positions, positions)
-    return -(-positions // chunk) * chunk if positions else 0
+    return chunk_count(positions, chunk) * chunk
 
 
 def kv_cache_bytes(cfg: Config, model_cfg) -> int:
@@ -318,7 +331,7 @@ def packing_report(cfg: Config, abstract_model, spec: str, compile: bool = True)
         "packed_width": w,
         "flops_real_analytic": analytic_flops(cfg, model_cfg, real_b, lengths_b.sum())["step"],
         "flops_padded_analytic": analytic_flops(cfg, model_cfg)["step"],
-        "flops_packed_analytic": analytic_flops(cfg, model_cfg, [w] * r, head)["step"],
+        "flops_packed_analytic": analytic_flops(cfg, model_cfg, [w] * r, head, h)["step"],
     }
     if compile:
         padded = step_setup.build_step(padded_cfg, abstract_model)

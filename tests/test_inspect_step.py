@@ -290,15 +290,19 @@ def test_length_distributions():
 
 
 @pytest.mark.heavy  # make test: test_packing_report_counts_tokens_by_hand (sizes only)
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 25): the compiled padded step's matmul flops (4.121e9) are below "
-    "analytic_flops (4.259e9) on this shape since the decode-slot and packing merges",
+@pytest.mark.parametrize(
+    "head",
+    [
+        [],  # 64 scored positions: the LM head in one chunk (no recompute), data-parallel
+        ["model.logprob_chunk_size=32", "mesh.data=1", "mesh.fsdp=8"],  # two, vocab-parallel
+    ],
+    ids=["one_chunk", "two_chunks_fsdp"],
 )
-def test_packing_report_compiled_flops_match_the_shapes():
+def test_packing_report_compiled_flops_match_the_shapes(head):
     """The compiled unpacked and packed steps' matmul flops equal `analytic_flops` of their
-    layouts (B rows of T; packed rows of the budget, the LM head over their scored slots)."""
-    overrides = ["grpo.num_prompts_per_step=16", "rollout.prompt_bucket=8"]
+    layouts (B rows of T; packed rows of the budget, the LM head over their scored slots), with
+    the head's chunks rematerialised (two chunks) or not (one)."""
+    overrides = ["grpo.num_prompts_per_step=16", "rollout.prompt_bucket=8", *head]
     cfg = load_config(TINY, [*overrides, "rollout.max_new_tokens=64"])
     report = inspect_step(cfg, lengths="skewed")
     assert report["flops_padded"] == report["flops_padded_analytic"] == report["flops"]

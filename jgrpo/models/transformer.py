@@ -17,7 +17,6 @@ g query heads per kv head, h head dim, f mlp, v vocab, l layers."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -448,8 +447,12 @@ class Transformer(nnx.Module):
         only (0 where scored_bn is 0).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
-        `cfg.logprob_chunk_size` positions (lax.map); each chunk is a `jax.checkpoint`, so the
-        backward recomputes its logits too: memory O(b x chunk x v). Chunks run along t. Under
+        `cfg.logprob_chunk_size` positions (lax.map); with more than one chunk each is a
+        `jax.checkpoint`, so the backward recomputes its logits too: memory O(b x chunk x v).
+        One chunk (n <= chunk size) is not: its logits are the chunk's either way, and a
+        recompute of one chunk is work XLA's CSE merges with the forward's own head on some
+        shardings and not on others (the vocab-parallel head), so the program's flops would
+        depend on the mesh. Chunks run along t. Under
         the trainer's `logit_shardings` the head is vocab-parallel (see
         `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
         stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
@@ -489,7 +492,6 @@ class Transformer(nnx.Module):
         if not vocab_parallel:  # whole (or gathered) on each device: cast once, before the loop
             head_vd = head_vd.astype(cfg.jnp_dtype)
 
-        @functools.partial(jax.checkpoint, prevent_cse=False)
         def chunk(xs):
             x_bcd, targets_bc = xs
             x_bcd = self._pin(self._constrain(x_bcd), "rows_bcd")
@@ -509,6 +511,8 @@ class Transformer(nnx.Module):
                 picked_bc = picked_bc[..., 0]
             return self._pin(picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1), "out_bc")
 
+        if k > 1:  # one chunk: no recompute (the docstring)
+            chunk = jax.checkpoint(chunk, prevent_cse=False)
         lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
         lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
         if packed is not None:
