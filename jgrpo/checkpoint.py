@@ -203,8 +203,13 @@ class Checkpointer:
         *,
         save_period: int = 0,
         async_save: bool = False,
+        read_only: bool = False,
     ):
-        """`save_period`: :meth:`should_save` is true every this many steps (0 = never)."""
+        """`save_period`: :meth:`should_save` is true every this many steps (0 = never).
+        `read_only` (export, eval): nothing in `directory` is created or removed; in particular
+        a writer's `<step>.orbax-checkpoint-tmp` folders are left alone (a writer removes those of
+        a killed run before its next save, on a background thread that orbax's close does not
+        wait for)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory).absolute()
@@ -214,8 +219,9 @@ class Checkpointer:
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep_last),
             enable_async_checkpointing=async_save,
             # Removes <step>.orbax-checkpoint-tmp left by a killed run, before the next save.
-            cleanup_tmp_directories=True,
-            create=True,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
         self._async = async_save

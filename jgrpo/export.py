@@ -74,7 +74,7 @@ def load_checkpoint_model(path, cfg: Config | None = None):
     cfg = cfg or load_run_config(run_dir)
     if ckpt_step is None and not complete_steps(ckpt_dir):
         raise CheckpointError(f"{str(ckpt_dir)!r}: no complete checkpoint")
-    with Checkpointer(ckpt_dir, keep_last=10**6) as checkpointer:
+    with Checkpointer(ckpt_dir, keep_last=10**6, read_only=True) as checkpointer:
         if ckpt_step is not None:
             reason = checkpointer.verify(ckpt_step)
             if reason is not None:

@@ -489,8 +489,12 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     assert code == 2 and "--overwrite" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in out.iterdir()) == before
 
+    # a writer's save in flight: export only reads (it must not remove the writer's tmp folder)
+    in_flight = run / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
+    (in_flight / "state").mkdir(parents=True)
     code, _, err = run_cli(capsys, "export", str(run), str(out), "--overwrite")
     assert code == 0, err
+    assert (in_flight / "state").is_dir()
     names = {p.name for p in out.iterdir()}
     assert "model.safetensors" in names and "tokenizer.json" in names
     assert not names & {"model.safetensors.index.json", "model-00001-of-00002.safetensors"}
