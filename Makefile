@@ -5,7 +5,7 @@ TEST_WORKERS ?= 2
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DEMO_TOOLS_WARM_START := --steps 240 --batch-size 32 --warmup-steps 20
+DEMO_TOOLS_WARM_START := --steps 400 --batch-size 32 --warmup-steps 30 --direct-after 200 --direct-fraction 0.7
 
 .PHONY: venv demo demo-tools learn test test-all test-fast lint bench clean
 

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "demo_tools.yaml")
 TINY = (
     "--hidden-size 32 --num-layers 1 --num-heads 2 --num-kv-heads 1 --intermediate-size 64 "
-    "--steps 40 --batch-size 8 --warmup-steps 5 --learning-rate 1e-2 --no-eval"
+    "--steps 40 --batch-size 8 --warmup-steps 5 --learning-rate 1e-2 --no-eval "
+    "--direct-after 20 --direct-fraction 0.25"
 ).split()
 
 
@@ -36,8 +37,9 @@ def test_traces_fit_the_budget_and_train_the_assistant_ids_only(warm_start, tmp_
     tokenizer = load_tokenizer(build_tiny_model(tmp_path / "m", chat=True))
     task = make_task(cfg.data, 1)
     try:
-        example = {"task": "calculator", "question": "9999*9999", "answer": "99980001", "id": "x"}
+        example = {"task": "calculator", "question": "999*999", "answer": "998001", "id": "x"}
         ids, mask = warm_start.chat_traces(task, [example], tokenizer)[0]
+        direct_ids, direct_mask = warm_start.chat_traces(task, [example], tokenizer, [True])[0]
         prompt = task.format_prompt(example, tokenizer, tools=task.tool_runner.schemas)
     finally:
         task.close()
@@ -46,10 +48,24 @@ def test_traces_fit_the_budget_and_train_the_assistant_ids_only(warm_start, tmp_
     assert len(ids) - prompt_len <= cfg.rollout.max_new_tokens
     trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
     assert trained == (
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "9999*9999"}}\n'
-        "</tool_call><|im_end|>99980001<|im_end|>"
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "999*999"}}\n'
+        "</tool_call><|im_end|>998001<|im_end|>"
     )
     assert not any(mask[:prompt_len])
+    # a direct answer (the warm start's other behaviour): the same prompt ids, then the number
+    assert direct_ids[:prompt_len] == ids[:prompt_len] and not any(direct_mask[:prompt_len])
+    trained = tokenizer.decode([i for i, m in zip(direct_ids, direct_mask) if m])
+    assert trained == "The answer is 998001.<|im_end|>"
+
+
+def test_direct_answers_are_mixed_in_after_the_tool_only_steps(warm_start):
+    settings = warm_start.Settings(
+        data={}, steps=400, batch_size=32, direct_after=200, direct_fraction=0.7
+    )
+    direct = warm_start.direct_rows(settings).reshape(400, 32)
+    assert not direct[:200].any()
+    assert abs(direct[200:].mean() - 0.7) < 0.02  # 6400 draws: 3.5 standard deviations
+    assert not warm_start.direct_rows(warm_start.Settings(data={})).any()  # the default
 
 
 @pytest.mark.heavy  # make test: test_traces_fit_the_budget_and_train_the_assistant_ids_only

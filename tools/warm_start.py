@@ -38,6 +38,11 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 """Bump when this script's output for the same settings changes."""
+DIRECT_ANSWER = "The answer is {answer}."
+"""A direct answer's text (`--direct-fraction`): its first token differs from a tool call's and
+is the same for every question, so choosing to answer rather than call the tool is one token's
+choice (a bare number would spread that choice over ten first digits, and greedy decoding would
+call the tool whenever the tool token outweighs the likeliest digit)."""
 SETTINGS_FILE = "warm_start.json"
 """Written into the output folder: settings, their hash and the SFT results."""
 
@@ -70,6 +75,16 @@ class Settings:
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 50
     """Linear warmup steps."""
+    direct_fraction: float = 0.0
+    """Chat tasks with tools: the fraction of SFT conversations in which the assistant answers at
+    once, without calling a tool (the rest are the task's ideal tool conversation). Drawn per
+    example from data_seed. Above 0.5 the warm-started model's greedy first move is to answer from
+    its head; sampling still calls the tool about (1 - direct_fraction) of the time, which is the
+    choice GRPO's reward then settles."""
+    direct_after: int = 0
+    """Steps before the direct answers are mixed in: the first `direct_after` steps train on the
+    tool conversation only (copying the tool's result is learned fastest without the direct
+    answers' unlearnable digits in the batch), the rest on the `direct_fraction` mix."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     format_version: int = FORMAT_VERSION
@@ -105,17 +120,18 @@ def encode(text: str) -> list[int]:
     return [4 + b for b in text.encode()]
 
 
-def make_sft_arrays(task, num_rows: int, tokenizer):
+def make_sft_arrays(task, num_rows: int, tokenizer, direct=None):
     """(input_ids [N, T] int32, loss_mask [N, T] f32) of the task's next `num_rows` training
     examples, right-padded: bare tasks prompt ++ completion ++ EOS, chat tasks the ideal
-    conversation (`ChatFormat.encode`). loss_mask is 1 on the target ids (completion and EOS;
-    each assistant turn through its end-of-turn id), aligned with the tokens they score."""
+    conversation (`ChatFormat.encode`; `direct` [num_rows] bool: answered without the tool).
+    loss_mask is 1 on the target ids (completion and EOS; each assistant turn through its
+    end-of-turn id), aligned with the tokens they score."""
     import numpy as np
 
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     examples = task.train.next_prompts(num_rows)
     if task.needs_chat_template:
-        rows = chat_traces(task, examples, tokenizer)
+        rows = chat_traces(task, examples, tokenizer, direct)
     else:
         rows = []
         for ex in examples:
@@ -132,18 +148,39 @@ def make_sft_arrays(task, num_rows: int, tokenizer):
     return ids, mask
 
 
-def chat_traces(task, examples, tokenizer) -> list[tuple[list[int], list[int]]]:
+def direct_rows(settings: Settings):
+    """[steps x batch_size] bool: which SFT conversations answer at once (`direct_fraction`,
+    none in the first `direct_after` steps), drawn from data_seed."""
+    import numpy as np
+
+    s = settings
+    direct = np.random.default_rng(s.data_seed).random(s.steps * s.batch_size) < s.direct_fraction
+    direct[: s.direct_after * s.batch_size] = False
+    return direct
+
+
+def chat_traces(task, examples, tokenizer, direct=None) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) of each example's ideal conversation, as the rollout tokenises it: the
     tools' schemas from the task's tool processes, the EOS as the stop id (checked: the first
-    trace starts with exactly the rollout's prompt ids)."""
+    trace starts with exactly the rollout's prompt ids). Where `direct[i]`, example i's
+    assistant answers at once (`DIRECT_ANSWER`, no tool call)."""
     from jgrpo.rollout.conversation import ChatFormat
 
     if not hasattr(task.kind, "reference_messages"):
         raise SystemExit(f"warm start: task {task.cfg.task!r} has no reference conversation")
     schemas = task.tool_runner.schemas or None
     chat = ChatFormat(tokenizer, [tokenizer.eos_token_id], schemas)
+    direct = [False] * len(examples) if direct is None else direct
     rows = [
-        chat.encode(task.prompt_messages(ex) + task.kind.reference_messages(ex)) for ex in examples
+        chat.encode(
+            task.prompt_messages(ex)
+            + (
+                [{"role": "assistant", "content": DIRECT_ANSWER.format(answer=ex["answer"])}]
+                if d
+                else task.kind.reference_messages(ex)
+            )
+        )
+        for ex, d in zip(examples, direct)
     ]
     prompt = task.format_prompt(examples[0], tokenizer, tools=schemas)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -178,7 +215,7 @@ def train_sft(settings: Settings, base_folder: Path, cfg, log=print):
     data_cfg = dataclasses.replace(cfg.data, use_chat_template=False)
     task = make_task(data_cfg, s.data_seed)
     try:
-        ids, mask = make_sft_arrays(task, s.steps * s.batch_size, tokenizer)
+        ids, mask = make_sft_arrays(task, s.steps * s.batch_size, tokenizer, direct_rows(s))
         if not task.needs_chat_template:
             first = task.format_prompt(task.val[0]) + task.reference_completion(task.val[0])
             assert encode(first) == tokenizer(first, add_special_tokens=False)["input_ids"], first
