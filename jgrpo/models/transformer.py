@@ -447,12 +447,10 @@ class Transformer(nnx.Module):
         only (0 where scored_bn is 0).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
-        `cfg.logprob_chunk_size` positions (lax.map); with more than one chunk each is a
-        `jax.checkpoint`, so the backward recomputes its logits too: memory O(b x chunk x v).
-        One chunk (n <= chunk size) is not: its logits are the chunk's either way, and a
-        recompute of one chunk is work XLA's CSE merges with the forward's own head on some
-        shardings and not on others (the vocab-parallel head), so the program's flops would
-        depend on the mesh. Chunks run along t. Under
+        `cfg.logprob_chunk_size` positions (lax.map); with several chunks each is a
+        `jax.checkpoint` (the backward recomputes its logits: memory O(b x chunk x v)); one chunk
+        is not (its logits are the chunk's either way; XLA merges its recompute with the forward
+        on some shardings only, so flops would depend on the mesh). Chunks run along t. Under
         the trainer's `logit_shardings` the head is vocab-parallel (see
         `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
         stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
