@@ -455,8 +455,7 @@ class Transformer(nnx.Module):
         `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
         stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
         chunks in float32) and computes that slice's logits for the chunk's rows. Otherwise
-        (no mesh, or one that does not split the vocab) the head is cast once, before the
-        chunk loop."""
+        (no mesh, or one that does not split the vocab) it is cast once, before the loop."""
         cfg = self.cfg
         seg = None if packed is None else packed[:2]
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, seg))
