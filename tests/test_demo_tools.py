@@ -68,6 +68,27 @@ def test_direct_answers_are_mixed_in_after_the_tool_only_steps(warm_start):
     assert not warm_start.direct_rows(warm_start.Settings(data={})).any()  # the default
 
 
+@pytest.mark.parametrize(
+    "config,flags,needle",
+    [
+        (CONFIG, ["--direct-fraction", "1.5"], "--direct-fraction: must lie in [0, 1], got 1.5"),
+        (CONFIG, ["--direct-after", "-1"], "--direct-after: must be >= 0, got -1"),
+        (
+            str(ROOT / "configs" / "demo.yaml"),
+            ["--direct-fraction", "0.5"],
+            "--direct-fraction: data.task 'arithmetic' has no reference conversation",
+        ),
+    ],
+)
+def test_direct_answer_flags_that_cannot_apply_exit_2(
+    warm_start, tmp_path, capsys, config, flags, needle
+):
+    assert warm_start.main(["--config", config, "--out", str(tmp_path / "m"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {needle}") and len(err.splitlines()) == 1
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.heavy  # make test: test_traces_fit_the_budget_and_train_the_assistant_ids_only
 def test_warm_start_then_grpo_calls_the_calculator(warm_start, tmp_path):
     folder = tmp_path / "sft"

@@ -159,6 +159,14 @@ def direct_rows(settings: Settings):
     return direct
 
 
+def assistant_turns(task, example, direct: bool) -> list[dict]:
+    """The messages after the prompt: the task's ideal conversation (with its tool calls), or
+    (`direct`) one assistant answer without the tool, `DIRECT_ANSWER`."""
+    if direct:
+        return [{"role": "assistant", "content": DIRECT_ANSWER.format(answer=example["answer"])}]
+    return task.kind.reference_messages(example)
+
+
 def chat_traces(task, examples, tokenizer, direct=None) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) of each example's ideal conversation, as the rollout tokenises it: the
     tools' schemas from the task's tool processes, the EOS as the stop id (checked: the first
@@ -172,14 +180,7 @@ def chat_traces(task, examples, tokenizer, direct=None) -> list[tuple[list[int],
     chat = ChatFormat(tokenizer, [tokenizer.eos_token_id], schemas)
     direct = [False] * len(examples) if direct is None else direct
     rows = [
-        chat.encode(
-            task.prompt_messages(ex)
-            + (
-                [{"role": "assistant", "content": DIRECT_ANSWER.format(answer=ex["answer"])}]
-                if d
-                else task.kind.reference_messages(ex)
-            )
-        )
+        chat.encode(task.prompt_messages(ex) + assistant_turns(task, ex, d))
         for ex, d in zip(examples, direct)
     ]
     prompt = task.format_prompt(examples[0], tokenizer, tools=schemas)
@@ -272,6 +273,25 @@ def evaluate_folder(cfg, folder: Path) -> float:
     )["val/accuracy"]
 
 
+def check_direct(settings: Settings, cfg) -> str | None:
+    """Why --direct-fraction / --direct-after cannot apply to this config's task, or None."""
+    from jgrpo.tasks import make_task
+
+    s = settings
+    if not 0.0 <= s.direct_fraction <= 1.0:
+        return f"--direct-fraction: must lie in [0, 1], got {s.direct_fraction}"
+    if s.direct_after < 0:
+        return f"--direct-after: must be >= 0, got {s.direct_after}"
+    if s.direct_fraction > 0:
+        task = make_task(cfg.data, s.data_seed, load_data=False)
+        if not (task.needs_chat_template and hasattr(task.kind, "reference_messages")):
+            return (
+                f"--direct-fraction: data.task {cfg.data.task!r} has no reference conversation "
+                "to mix direct answers into (a chat task with a tool, e.g. calculator)"
+            )
+    return None
+
+
 def read_cached(out: Path) -> dict | None:
     try:
         return json.loads((out / SETTINGS_FILE).read_text())
@@ -327,6 +347,10 @@ def main(argv=None) -> int:
     fields = {f.name for f in dataclasses.fields(Settings)} - {"data", "format_version"}
     settings = Settings(data=to_dict(cfg.data), **{k: getattr(args, k) for k in fields})
     out = Path(args.out or cfg.model.path)
+    problem = check_direct(settings, cfg)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     cached = read_cached(out)
     if cached and cached.get("key") == settings.key() and not args.force:
