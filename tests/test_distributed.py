@@ -104,6 +104,24 @@ def test_a_pod_with_ray_rollout_needs_one_cluster_address():
     check_pod(load_config(TINY, ["rollout.backend=ray"]), 1)  # one process: a local cluster
 
 
+@pytest.mark.parametrize("env,threads", [({}, 32), ({"PJRT_NPROC": "12"}, 12)])
+def test_fake_cpu_devices_get_four_pool_threads_each(env, threads):
+    """8 fake CPU devices: importing jgrpo gives XLA:CPU's thread pool 4 threads per device (a
+    device waiting in a collective holds a thread; with one per device the pool ran dry and the
+    process deadlocked), unless the user chose PJRT_NPROC."""
+    probe = (
+        "import os, jgrpo, jax.numpy as jnp; jnp.ones(2).block_until_ready(); "
+        "print(sum(open(f'/proc/self/task/{t}/comm').read().startswith('tf_XLAEigen') "
+        "for t in os.listdir('/proc/self/task')))"
+    )
+    run_env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
+    run_env |= {"XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu", **env}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.split()[-1]) == threads, out.stderr[-2000:]
+
+
 def test_process_slices_cover_the_step_in_order(monkeypatch):
     pod = distributed._Pod(None, distributed.ProcessSpec("h:1", 3, 0, "flags"), 0, 3)
     slices = []

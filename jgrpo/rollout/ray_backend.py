@@ -143,6 +143,7 @@ def worker_resources(
         "XLA_FLAGS": " ".join([*flags, f"intra_op_parallelism_threads={threads}"]),
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
+        "PJRT_NPROC": str(threads),  # XLA:CPU's pool: its share, not a driver's (jgrpo/__init__)
     }
     if gpus == 0:
         env["JAX_PLATFORMS"] = "cpu"
