@@ -11,13 +11,13 @@ cache column P + i and position prompt_len_b + i, the positions the trainer's fo
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`, so a row's tokens depend
 neither on its batch nor on `decode_slots` S (S < B rows: S cache rows; a stopped row's slot
-takes the next waiting row). One executable per (B, U, P, S, DecodeSpec), shardings.
+takes the next waiting row: jgrpo/slots.py), nor on `compact_decode` (the one-batch loop narrows
+to its running rows). One executable per (B, U, P, S, DecodeSpec), shardings.
 Kernels follow `model.cfg.kernels`; compiled with `kernels.COMPILER_OPTIONS`. docs/sampler.md."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
@@ -30,6 +30,7 @@ from jgrpo.draws import greedy_token, sample_token
 from jgrpo.models import kernels
 from jgrpo.models.kernels import resolve_kernels
 from jgrpo.models.transformer import Transformer
+from jgrpo.slots import decode_in_slots
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
 _SLOT_ALIGN = 16  # cache / attended lengths rounded up to this: XLA:CPU's attention dots are
@@ -62,6 +63,10 @@ class SamplingParams:
     decode_slots: Optional[int] = None
     """Rows decoded at once (static): a stopped row's slot takes the next waiting row, so the
     KV cache holds this many rows; None (or >= the rows) = every row at once."""
+    compact_decode: bool = False
+    """Every row at once, narrowing the batch as rows stop (static): once no more than half,
+    a quarter, an eighth of the rows still run, they go on as a batch of that width (same
+    tokens); not with decode_slots < the rows (that loop keeps its slots full instead)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -88,6 +93,7 @@ class SamplingParams:
             top_k=rollout.top_k,
             prompt_bucket=rollout.prompt_bucket,
             decode_slots=rollout.decode_slots,
+            compact_decode=rollout.compact_decode,
         )
         return cls(**{**fields, **overrides})
 
@@ -108,6 +114,8 @@ class DecodeSpec:
     attention_chunk: int
     decode_slots: Optional[int] = None
     """Slots of the continuous-batching loop (< the rows); None = every row in one batch."""
+    compact: bool = False
+    """The one-batch loop narrows as rows stop (`compact_widths`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +182,26 @@ def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, n)) for a in range(1, n, chunk)]
 
 
+def compact_widths(rows: int) -> tuple[int, ...]:
+    """Batch widths of the compacting decode loop: rows, then halved (rounded up) down to an
+    eighth: narrower batches cost little less per step on any device (weights are read per
+    step whatever the width)."""
+    return tuple(sorted({-(-rows // 2**k) for k in range(4)}, reverse=True))
+
+
+def _compact(rows, cache, token_w, done_b, width: int, b: int):
+    """The decode batch narrowed to `width` rows -> ((rows, prompt lengths, kv masks), cache,
+    last tokens): its running rows, in batch order (they fit: the loop narrows only then), then
+    fillers (row b: never written)."""
+    rows_w, plen_w, kv_mask_ws = rows
+    rows_w = jnp.arange(b) if rows_w is None else rows_w
+    running_w = (rows_w < b) & ~done_b[jnp.minimum(rows_w, b - 1)]
+    at_k = jnp.nonzero(running_w, size=width, fill_value=rows_w.shape[0])[0]
+    keep = lambda x: x[jnp.minimum(at_k, rows_w.shape[0] - 1)]
+    rows_k = jnp.where(at_k < rows_w.shape[0], keep(rows_w), b)
+    return (rows_k, keep(plen_w), keep(kv_mask_ws)), jax.tree.map(keep, cache), keep(token_w)
+
+
 def _in_compute_dtype(model: Transformer) -> Transformer:
     """The model with its embedding, final norm and LM head in the compute dtype (cfg.dtype;
     parameters may be stored in another, e.g. float32 master weights): cast once per call, so
@@ -202,7 +230,10 @@ def _generate_padded(
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
     if spec.decode_slots is not None:
-        return _decode_in_slots(
+        # a segment of the slot loop attends its rows' ages' columns; the last one, every column
+        ends = [end for _, end in _segments(n, spec.attention_chunk)] or [2]
+        attend = [min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len) for end in ends[:-1]]
+        return decode_in_slots(
             model,
             layers,
             prompt_ids_up,
@@ -213,6 +244,7 @@ def _generate_padded(
             row_ids_b,
             spec=spec,
             cache_len=cache_len,
+            segments=list(zip(ends, [*attend, cache_len])),
             path=path,
         )
     logits_uv, cache = model.prefill(
@@ -226,7 +258,7 @@ def _generate_padded(
 
     if spec.greedy:
 
-        def draw(i, logits_bv):
+        def draw(i, logits_bv, rows_b=None):
             token_b, lp_b = greedy_token(logits_bv, path)
             return token_b, lp_b, jnp.zeros_like(lp_b)
     else:
@@ -236,29 +268,32 @@ def _generate_padded(
         fold_rows = jax.vmap(jax.random.fold_in, (0, None))
         step_keys_nb = jax.vmap(fold_rows, (None, 0))(row_keys_b, jnp.arange(n))  # hoisted
 
-        def draw(i, logits_bv):
-            keys_b = step_keys_nb[i]
+        def draw(i, logits_bv, rows_b=None):
+            keys_b = step_keys_nb[i] if rows_b is None else step_keys_nb[i][rows_b]
             return sample_token(
                 logits_bv, keys_b, temperature, top_p, spec.top_k, spec.nucleus, path=path
             )
 
-    def emit(i, logits_bv, carry):
-        """Draw token i from logits_bv and record it (rows already done emit pad)."""
+    def emit(i, logits_wv, carry, rows_w=None):
+        """Draw token i from logits_wv and record it (rows already done emit pad). rows_w: the
+        batch's rows after compaction (b: a filler row, never written); None: all b rows."""
         tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = carry
-        token_b, lp_b, flp_b = draw(i, logits_bv)
-        token_b = jnp.where(done_b, spec.pad_id, token_b)
-        lp_b = jnp.where(done_b, 0.0, lp_b)
-        flp_b = jnp.where(done_b, 0.0, flp_b)
-        lengths_b = lengths_b + (~done_b).astype(jnp.int32)
-        done_b = done_b | jnp.isin(token_b, stops)
-        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
-        return (
-            put(tokens_bn, token_b),
-            put(logprobs_bn, lp_b),
-            put(filtered_bn, flp_b),
-            done_b,
-            lengths_b,
-        ), token_b
+        at_w = None if rows_w is None else jnp.minimum(rows_w, b - 1)
+        done_w = done_b if rows_w is None else done_b[at_w] | (rows_w >= b)
+        token_w, lp_w, flp_w = draw(i, logits_wv, at_w)
+        token_w = jnp.where(done_w, spec.pad_id, token_w)
+        lp_w = jnp.where(done_w, 0.0, lp_w)
+        flp_w = jnp.where(done_w, 0.0, flp_w)
+        ended_w = done_w | jnp.isin(token_w, stops)
+        if rows_w is None:
+            put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
+            done_b, lengths_b = ended_w, lengths_b + (~done_w).astype(jnp.int32)
+        else:
+            put = lambda buf, x: buf.at[rows_w, i].set(x, mode="drop")
+            done_b = done_b.at[rows_w].set(ended_w, mode="drop")
+            lengths_b = lengths_b.at[rows_w].add((~done_w).astype(jnp.int32), mode="drop")
+        carry = (put(tokens_bn, token_w), put(logprobs_bn, lp_w), put(filtered_bn, flp_w))
+        return (*carry, done_b, lengths_b), token_w
 
     out = (
         jnp.full((b, n), spec.pad_id, jnp.int32),
@@ -269,25 +304,35 @@ def _generate_padded(
     )
     out, token_b = emit(0, logits_bv, out)
     i = jnp.asarray(1, jnp.int32)
+    # compaction: the batch narrows to the next width once no more rows than that still run
+    widths = compact_widths(b) if spec.compact else (b,)
+    rows = (None, prompt_lengths_b, kv_mask_bs)  # the batch's rows (None: all), their prompts
+    for level, width in enumerate(widths):
+        narrower = widths[level + 1] if level + 1 < len(widths) else 0
+        if level:
+            rows, cache, token_b = _compact(rows, cache, token_b, out[3], width, b)
+        rows_w, plen_w, kv_mask_ws = rows  # loop constants, as the carry holds only what changes
+        for _, end in _segments(n, spec.attention_chunk):
+            # slots written by the segment's last step, rounded up (unwritten slots are masked)
+            attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
 
-    for _, end in _segments(n, spec.attention_chunk):
-        # slots written by the segment's last step, rounded up (unwritten slots are masked)
-        attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
+            def cond(loop, end=end, narrower=narrower, rows_w=rows_w):
+                i, _, _, out = loop
+                running = ~out[3] if rows_w is None else ~out[3][rows_w] & (rows_w < b)
+                go = (i < end) & jnp.any(running)
+                return go & (jnp.sum(running) > narrower) if narrower else go
 
-        def cond(loop, end=end):
-            i, _, _, out = loop
-            return (i < end) & ~jnp.all(out[3])
+            def body(loop, attend_len=attend_len, rows=rows):
+                i, cache, token_w, out = loop
+                rows_w, plen_w, kv_mask_ws = rows
+                slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
+                logits_wv, cache = model.decode_step(
+                    layers, token_w, plen_w + i - 1, kv_mask_ws, cache, slot, attend_len
+                )
+                out, token_w = emit(i, logits_wv, out, rows_w)
+                return i + 1, cache, token_w, out
 
-        def body(loop, attend_len=attend_len):
-            i, cache, token_b, out = loop
-            slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
-            logits_bv, cache = model.decode_step(
-                layers, token_b, prompt_lengths_b + i - 1, kv_mask_bs, cache, slot, attend_len
-            )
-            out, token_b = emit(i, logits_bv, out)
-            return i + 1, cache, token_b, out
-
-        i, cache, token_b, out = jax.lax.while_loop(cond, body, (i, cache, token_b, out))
+            i, cache, token_b, out = jax.lax.while_loop(cond, body, (i, cache, token_b, out))
 
     tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = out
     return dict(
@@ -297,166 +342,6 @@ def _generate_padded(
         lengths=lengths_b,
         truncated=~done_b,
         num_decode_steps=i - 1,
-    )
-
-
-def _decode_in_slots(
-    model,
-    layers,
-    prompt_ids_up,
-    prompt_lengths_u,
-    key,
-    temperature,
-    top_p,
-    row_ids_b,
-    *,
-    spec,
-    cache_len,
-    path,
-):
-    u, p = prompt_ids_up.shape
-    b = row_ids_b.shape[0]
-    group = b // u
-    n = spec.max_new_tokens
-    num_slots = spec.decode_slots
-    stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
-    if not spec.greedy:
-        temperature = jnp.asarray(temperature, jnp.float32)
-        top_p = jnp.asarray(top_p, jnp.float32)
-        row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(key, row_ids_b)
-
-    def draw(rows_k, i_k, logits_kv):
-        if spec.greedy:
-            token_k, lp_k = greedy_token(logits_kv, path)
-            return token_k, lp_k, jnp.zeros_like(lp_k)
-        keys_k = jax.vmap(jax.random.fold_in)(row_keys_b[jnp.minimum(rows_k, b - 1)], i_k)
-        return sample_token(
-            logits_kv, keys_k, temperature, top_p, spec.top_k, spec.nucleus, path=path
-        )
-
-    def record(out, rows_k, i_k, logits_kv, live_k):
-        """Draw token i_k of rows rows_k (where live_k) and write it -> (out, token_k, ended_k)."""
-        tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = out
-        token_k, lp_k, flp_k = draw(rows_k, i_k, logits_kv)
-        at_k = jnp.where(live_k, rows_k, b)  # out of range: dropped
-        stop_k = jnp.isin(token_k, stops)
-        out = (
-            tokens_bn.at[at_k, i_k].set(token_k, mode="drop"),
-            logprobs_bn.at[at_k, i_k].set(lp_k, mode="drop"),
-            filtered_bn.at[at_k, i_k].set(flp_k, mode="drop"),
-            lengths_b.at[at_k].set(i_k + 1, mode="drop"),
-            stopped_b.at[at_k].set(stop_k, mode="drop"),
-        )
-        return out, token_k, stop_k | (i_k + 1 >= n)
-
-    def prefill_prompt(prompt):
-        """Prompt `prompt`'s (1 row) last logits and cache, staged for its rows."""
-        ids_1p = jax.lax.dynamic_slice_in_dim(prompt_ids_up, prompt, 1)
-        mask_1p = jnp.arange(p)[None, :] >= p - prompt_lengths_u[prompt]
-        positions_1p = jnp.maximum(jnp.cumsum(mask_1p, axis=-1) - 1, 0)
-        logits_1v, cache_1 = model.prefill(
-            ids_1p, positions_1p, mask_1p, cache_len, last_layer=layers[-1]
-        )
-        return prompt, logits_1v, cache_1
-
-    def admit(state):
-        """Give the next waiting row's prompt (prefilled once: it stays staged until its last
-        row is in) to as many free slots as there are waiting rows of it; draw their token 0."""
-        next_row, staged, slots, cache, out = state
-        row_s, emitted_s, token_s, active_s, plen_s = slots
-        free_s = ~active_s
-        prompt = next_row // group
-        staged = jax.lax.cond(staged[0] == prompt, lambda: staged, lambda: prefill_prompt(prompt))
-        _, logits_1v, cache_1 = staged
-        take = jnp.minimum(jnp.sum(free_s), group - next_row % group)
-        j_g = jnp.arange(group)
-        live_g = j_g < take
-        slot_g = jnp.nonzero(free_s, size=group, fill_value=num_slots)[0]
-        slot_g = jnp.where(live_g, slot_g, num_slots)  # out of range: dropped
-        rows_g = next_row + j_g
-        put = lambda c, c1: c.at[slot_g].set(
-            jnp.broadcast_to(c1, (group,) + c1.shape[1:]), mode="drop"
-        )
-        cache = jax.tree.map(put, cache, cache_1)
-        logits_gv = jnp.broadcast_to(logits_1v, (group, logits_1v.shape[-1]))
-        zero_g = jnp.zeros((group,), jnp.int32)
-        out, token_g, ended_g = record(out, rows_g, zero_g, logits_gv, live_g)
-        slots = (
-            row_s.at[slot_g].set(rows_g, mode="drop"),
-            emitted_s.at[slot_g].set(1, mode="drop"),
-            token_s.at[slot_g].set(token_g, mode="drop"),
-            active_s.at[slot_g].set(~ended_g, mode="drop"),
-            plen_s.at[slot_g].set(prompt_lengths_u[prompt], mode="drop"),
-        )
-        return next_row + take, staged, slots, cache, out
-
-    def fill(state):
-        waiting = lambda st: (st[0] < b) & ~jnp.all(st[2][3])
-        return jax.lax.while_loop(waiting, admit, state)
-
-    staged = jax.tree.map(jnp.zeros_like, jax.eval_shape(prefill_prompt, jnp.asarray(0, jnp.int32)))
-    staged = (jnp.asarray(-1, jnp.int32),) + staged[1:]
-    cache = jax.tree.map(lambda x: jnp.zeros((num_slots,) + x.shape[1:], x.dtype), staged[2])
-    slots = (
-        jnp.full((num_slots,), b, jnp.int32),
-        jnp.zeros((num_slots,), jnp.int32),
-        jnp.zeros((num_slots,), jnp.int32),
-        jnp.zeros((num_slots,), jnp.bool_),
-        jnp.zeros((num_slots,), jnp.int32),
-    )
-    out = (
-        jnp.full((b, n), spec.pad_id, jnp.int32),
-        jnp.zeros((b, n), jnp.float32),
-        jnp.zeros((b, n), jnp.float32),
-        jnp.zeros((b,), jnp.int32),
-        jnp.zeros((b,), jnp.bool_),
-    )
-
-    def step(loop, attend_len):
-        """One decode step of every slot: feed its last token, draw its next."""
-        t, (next_row, staged, slots, cache, out) = loop
-        row_s, emitted_s, token_s, active_s, plen_s = slots
-        col_s = jnp.where(active_s, p + emitted_s - 1, p)  # free slots write where unread
-        positions_s = jnp.where(active_s, plen_s + emitted_s - 1, 0)
-        kv_mask_sl = jnp.arange(cache_len)[None, :] >= p - plen_s[:, None]
-        logits_sv, cache = model.decode_step(
-            layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len
-        )
-        out, token_s, ended_s = record(out, row_s, emitted_s, logits_sv, active_s)
-        slots = (row_s, emitted_s + 1, token_s, active_s & ~ended_s, plen_s)
-        return t + 1, (next_row, staged, slots, cache, out)
-
-    def decode(loop):
-        """Fill the free slots, then decode until a slot frees up while rows wait. A segment
-        [start, end) runs while every active slot has emitted fewer than `end` tokens, so it
-        attends only the cache columns written by then (its rows' ages, not the step count:
-        a young pool after a refill reads a short cache); the last segment runs to the end."""
-        loop = (loop[0], fill(loop[1]))
-        segments = _segments(n, spec.attention_chunk) or [(1, 2)]
-        for k, (_, end) in enumerate(segments):
-            last = k == len(segments) - 1
-            attend_len = cache_len if last else min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
-
-            def cond(loop, end=end, last=last):
-                _, (next_row, _, (_, emitted_s, _, active_s, _), _, _) = loop
-                go = jnp.any(active_s) & ((next_row >= b) | jnp.all(active_s))
-                oldest = jnp.max(jnp.where(active_s, emitted_s, 0))
-                return go if last else go & (oldest < end)
-
-            loop = jax.lax.while_loop(cond, functools.partial(step, attend_len=attend_len), loop)
-        return loop
-
-    state = (jnp.asarray(0, jnp.int32), staged, slots, cache, out)
-    busy = lambda loop: (loop[1][0] < b) | jnp.any(loop[1][2][3])
-    t, state = jax.lax.while_loop(busy, decode, (jnp.asarray(1, jnp.int32), state))
-    tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = state[4]
-    return dict(
-        tokens=tokens_bn,
-        logprobs=logprobs_bn,
-        filtered_logprobs=filtered_bn,
-        lengths=lengths_b,
-        truncated=~stopped_b,
-        num_decode_steps=t - 1,
     )
 
 
@@ -502,6 +387,7 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
         pad_id=int(pad_id),
         attention_chunk=params.attention_chunk,
         decode_slots=params.decode_slots,
+        compact=params.compact_decode,
     )
 
 
@@ -547,6 +433,11 @@ def generate(
     spec = make_decode_spec(model.cfg, params)
     if spec.decode_slots is not None and spec.decode_slots >= len(prompts):
         spec = dataclasses.replace(spec, decode_slots=None)  # every row at once: one batch
+    if spec.compact and spec.decode_slots is not None:
+        raise ValueError(
+            f"generate: compact_decode narrows the one-batch loop; decode_slots "
+            f"{spec.decode_slots} < {len(prompts)} rows keeps slots full instead: set one of them"
+        )
     unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
     ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(

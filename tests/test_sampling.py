@@ -5,6 +5,7 @@ jgrpo.models.kernels): the GPU/TPU code is tested here on CPU too."""
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,15 @@ from jgrpo.config import RolloutConfig
 from jgrpo.draws import filter_logits
 from jgrpo.losses import token_logprobs as trainer_token_logprobs
 from jgrpo.models import from_pretrained, kernels
-from jgrpo.sampling import SamplingParams, compile_count, generate
+from jgrpo.sampling import (
+    SamplingParams,
+    compact_widths,
+    compile_count,
+    generate,
+    generate_padded,
+    make_decode_spec,
+    pad_prompts,
+)
 
 VOCAB, PAD, EOS = 128, 0, 1
 KERNELS = ["cpu", "portable"]
@@ -422,7 +431,14 @@ def test_compile_count_per_bucket(pair):
 
 
 def test_from_rollout_config():
-    rc = RolloutConfig(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=77, prompt_bucket=16)
+    rc = RolloutConfig(
+        temperature=0.6,
+        top_p=0.95,
+        top_k=50,
+        max_new_tokens=77,
+        prompt_bucket=16,
+        compact_decode=True,
+    )
     sp = SamplingParams.from_rollout_config(rc, stop_token_ids=(7,))
     assert (
         sp.temperature,
@@ -431,7 +447,8 @@ def test_from_rollout_config():
         sp.max_new_tokens,
         sp.prompt_bucket,
         sp.stop_token_ids,
-    ) == (0.6, 0.95, 50, 77, 16, (7,))
+        sp.compact_decode,
+    ) == (0.6, 0.95, 50, 77, 16, (7,), True)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
 
@@ -652,6 +669,51 @@ def test_decode_slots_give_the_same_tokens(pair, kernels_path, dtype, temperatur
         # test_split_batch_samples_what_the_whole_batch_samples): measured <= 9 ulps
         for name in ("logprobs", "filtered_logprobs"):
             np.testing.assert_allclose(getattr(out, name), getattr(ref, name), atol=1e-5)
+
+
+COMPACT_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 0.0)}
+"""The cases make test runs (one per kernel path); make test-all runs all eight."""
+COMPACT_CASES = [
+    pytest.param(*case, marks=() if case in COMPACT_FAST else pytest.mark.heavy)
+    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
+]
+
+
+@pytest.mark.parametrize("kernels_path,dtype,temperature", COMPACT_CASES)
+def test_compact_decode_gives_the_same_tokens(pair, kernels_path, dtype, temperature):
+    """compact_decode: once no more than 8, 4, 2 of the 16 rows still run, they go on as a batch
+    of that width (gathered from the wider one's cache); draws are keyed by row, so the tokens are
+    those of the full-width loop, with and without shared prefill (the rows' lengths make it
+    narrow twice while rows still run)."""
+    model = with_kernels(pair[1], kernels_path)
+    model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
+    prompts, group = grouped_prompts(4, 4, seed=6), 4  # 16 rows
+    params = dataclasses.replace(SLOT_PARAMS, temperature=temperature)
+    key = jax.random.key(8)
+    ref = generate(model, prompts, params, key, first_row=6)
+    running = [int(np.sum(ref.lengths > i)) for i in range(params.max_new_tokens)]
+    assert compact_widths(16) == (16, 8, 4, 2)
+    assert running[1] > 8 and min(running) <= 4, running  # two narrowings: 16 -> 8 -> 4
+    compact = dataclasses.replace(params, compact_decode=True)
+    for group_size in (1, group):
+        out = generate(model, prompts, compact, key, first_row=6, group_size=group_size)
+        for name in ("tokens", "lengths", "truncated", "prompt_tokens", "prompt_lengths"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), name)
+        assert out.num_decode_steps == ref.num_decode_steps
+        # float32: a narrower batch's matmuls round apart at the ulp level (as any split batch)
+        for name in ("logprobs", "filtered_logprobs"):
+            np.testing.assert_allclose(getattr(out, name), getattr(ref, name), atol=1e-5)
+    # the program holds the narrower batches: KV caches [w, ...] of widths 8 and 4 (not today's)
+    cache_widths = {}
+    for flag in (False, True):
+        spec = make_decode_spec(model.cfg, dataclasses.replace(params, compact_decode=flag))
+        ids_up, lengths_u = pad_prompts(prompts, params.prompt_bucket, spec.pad_id)
+        args = (model, ids_up, lengths_u, key, np.float32(temperature), np.float32(0.9))
+        text = generate_padded.lower(*args, np.arange(16, dtype=np.int32), spec=spec).as_text()
+        cache_widths[flag] = set(re.findall(r"tensor<(\d+)x\d+x\d+x\d+x[bf]", text))
+    assert {"8", "4"} <= cache_widths[True] - cache_widths[False], cache_widths
+    with pytest.raises(ValueError, match="compact_decode.*decode_slots 2 < 16 rows"):
+        generate(model, prompts, dataclasses.replace(compact, decode_slots=2), key)
 
 
 def test_decode_slots_compile_once_per_shape(pair):

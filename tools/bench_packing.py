@@ -1,15 +1,16 @@
-"""The whole GRPO step, today's against decode slots + packing, side by side in one run.
+"""The whole GRPO step, today's against decode slots or compaction + packing, side by side.
 
 today = the sampler as one batch of every row, decoding until its longest row stops, then the
 train step on padded rows (`grpo.sequence_packing=false`); new = the sampler with
 `rollout.decode_slots` S (default rows / 4: the best count of tools/bench_sampler.py --slots
-on 128 rows) then the packed train step (`grpo.sequence_packing=true`).
+on 128 rows) then the packed train step (`grpo.sequence_packing=true`); compact = the sampler
+with `rollout.compact_decode` (one batch narrowing as rows stop) then the packed train step.
 
 Workloads: P prompts x 8 generations, 64-token prompts, completions capped at `--cap`. The rows
 really stop, by tools/bench_sampler.py's mechanism (its `uniform_draw_model`: random weights,
 an all-zero LM head, so every token is drawn uniformly; `skewed_stops`: the first k ids stop a
 row): `skewed`, lengths geometric with median ~cap / 8 (the cap truncates the tail);
-`uniform`, no stop ids, every row runs to the cap. Both samplers get the same key, so they draw
+`uniform`, no stop ids, every row runs to the cap. The samplers get the same key, so they draw
 the same tokens (checked: `same tokens`) and both train steps get the same lengths. Shapes:
 `tiny`, the random Qwen2 of tools/bench.py (d 128, 2 layers, vocab 264), 16 prompts; `smollm2`,
 SmolLM2-135M's shape (30 layers, d 576, vocab 49152; random weights, untied for the zero head:
@@ -17,7 +18,7 @@ SmolLM2-135M's shape (30 layers, d 576, vocab 49152; random weights, untied for 
 (default 2) in `--smollm2-microbatches` microbatches (its steps take minutes on 2 cores).
 
 Per (shape, workload), in interleaved rounds (round 0 compiles and is not timed; the order of
-the two samplers and of the two train steps alternates by round): both samplers, then both
+the three samplers and of the two train steps alternates by round): the samplers, then both
 train steps on that round's rows (host packing and the batch's transfer included). Medians over
 rounds of each phase and of each side's whole step (sampler + train step of the same round).
 Flops from the shapes: the train step's executed matmul flops of each layout
@@ -26,7 +27,8 @@ row's own length; the padding a sampler decodes is not counted), as GFLOP/s besi
 matmul limit `bench.machine_limits` measures in the same run.
 
     python tools/bench_packing.py [--shapes tiny,smollm2] [--cap 256] [--rounds 3]
-        [--workloads skewed,uniform] [--slots S] [--smollm2-prompts 2] [--smollm2-microbatches 2]
+        [--workloads skewed,uniform] [--slots S] [--samplers slots,compact]
+        [--smollm2-prompts 2] [--smollm2-microbatches 2]
 """
 
 from __future__ import annotations
@@ -66,7 +68,13 @@ SHAPES = {
     "smollm2": (["model.path=smollm2", "model.remat=full", "model.logprob_chunk_size=32"], 2, 2),
 }
 WORKLOADS = ("skewed", "uniform")
-SIDES = {"today": ("one_batch", "padded"), "new": ("slots", "packed")}
+SAMPLERS = ("one_batch", "slots", "compact")
+"""today's one batch of every row; `rollout.decode_slots` S; `rollout.compact_decode`."""
+SIDES = {
+    "today": ("one_batch", "padded"),
+    "new": ("slots", "packed"),
+    "compact": ("compact", "packed"),
+}
 """Each side's whole step: (its sampler, its train step)."""
 
 
@@ -161,7 +169,11 @@ def bench_shape(
     microbatches: int,
     workloads=WORKLOADS,
     slots: int | None = None,
+    samplers=SAMPLERS,
 ) -> dict:
+    """One shape's table; `samplers`: one_batch (today's, always run) and any of the others."""
+    samplers = ("one_batch", *(s for s in SAMPLERS[1:] if s in samplers))
+    sides = {k: v for k, v in SIDES.items() if v[0] in samplers}
     rows = prompts * GENERATIONS
     slots = slots or max(1, rows // 4)
     cfgs = {
@@ -187,15 +199,16 @@ def bench_shape(
                 ignore_eos=True,
                 pad_id=0,
                 prompt_bucket=PROMPT,
-                decode_slots=s,
+                decode_slots=slots if name == "slots" else None,
+                compact_decode=name == "compact",
             )
-            for name, s in (("one_batch", None), ("slots", slots))
+            for name in samplers
         }
         per_round = []
         first = {}
         for r in range(rounds + 1):  # round 0: compile and warm, not timed
             times, gens = {}, {}
-            for name in ("one_batch", "slots")[:: 1 if r % 2 else -1]:
+            for name in samplers[:: 1 if r % 2 else -1]:
                 start = time.perf_counter()
                 gens[name] = generate(model, prompt_rows, params[name], jax.random.key(r))
                 times[name] = time.perf_counter() - start
@@ -211,16 +224,16 @@ def bench_shape(
             head = packed_rows * chunk_padded(cap, m.logprob_chunk_size)
             per_round.append(
                 {
-                    "same_tokens": bool(
-                        np.array_equal(gen.tokens, gens["slots"].tokens)
-                        and np.array_equal(gen.lengths, gens["slots"].lengths)
+                    "same_tokens": all(
+                        np.array_equal(gen.tokens, g.tokens)
+                        and np.array_equal(gen.lengths, g.lengths)
+                        for g in gens.values()
                     ),
                     "length_median": float(np.median(gen.lengths)),
                     "length_mean": float(np.mean(gen.lengths)),
                     "length_max": int(gen.lengths.max()),
                     "tokens_generated": int(gen.lengths.sum()),
-                    "decode_steps_one_batch": gens["one_batch"].num_decode_steps,
-                    "decode_steps_slots": gens["slots"].num_decode_steps,
+                    **{f"decode_steps_{k}": g.num_decode_steps for k, g in gens.items()},
                     "tokens_real": int(PROMPT * rows + gen.lengths.sum()),
                     "tokens_packed": packed_rows * width,
                     "packed_rows": packed_rows,
@@ -234,7 +247,7 @@ def bench_shape(
         flops_padded = analytic_flops(cfgs["padded"], m)["step"]
         for rec in per_round:
             rec["train_flops_padded"] = flops_padded
-            for side, (sampler, train) in SIDES.items():
+            for side, (sampler, train) in sides.items():
                 rec[f"step_{side}_s"] = rec[f"{sampler}_s"] + rec[f"{train}_s"]
                 rec[f"step_{side}_flops"] = rec["sampler_flops"] + rec[f"train_flops_{train}"]
 
@@ -246,18 +259,22 @@ def bench_shape(
             "tokens_padded": rows * (PROMPT + cap),
             **{k: med_of(per_round, k) for k in per_round[0] if k != "same_tokens"},
         }
-        res["sampler_tokens_per_s_one_batch"] = med_ratio(
-            per_round, "tokens_generated", "one_batch_s"
-        )
-        res["sampler_tokens_per_s_slots"] = med_ratio(per_round, "tokens_generated", "slots_s")
-        res["sampler_speedup"] = res["one_batch_s"] / res["slots_s"]
+        for name in samplers:
+            tokens_per_s = med_ratio(per_round, "tokens_generated", f"{name}_s")
+            res[f"sampler_tokens_per_s_{name}"] = tokens_per_s
+            flops = med_ratio(per_round, "sampler_flops", f"{name}_s") / 1e9
+            res[f"sampler_gflops_per_s_{name}"] = flops
         res["train_speedup"] = res["padded_s"] / res["packed_s"]
-        res["step_speedup"] = res["step_today_s"] / res["step_new_s"]
-        res["step_speedup_paired"] = med_ratio(per_round, "step_today_s", "step_new_s")
-        res["sampler_gflops_per_s_one_batch"] = (
-            med_ratio(per_round, "sampler_flops", "one_batch_s") / 1e9
-        )
-        res["sampler_gflops_per_s_slots"] = med_ratio(per_round, "sampler_flops", "slots_s") / 1e9
+        for side, (sampler, _) in sides.items():
+            if side == "today":
+                continue
+            suffix = "" if side == "new" else f"_{side}"
+            res[f"sampler_speedup{suffix}"] = res["one_batch_s"] / res[f"{sampler}_s"]
+            res[f"step_speedup{suffix}"] = res["step_today_s"] / res[f"step_{side}_s"]
+            paired = med_ratio(per_round, "step_today_s", f"step_{side}_s")
+            res[f"step_speedup{suffix}_paired"] = paired
+            flops = med_ratio(per_round, f"step_{side}_flops", f"step_{side}_s") / 1e9
+            res[f"step_gflops_per_s_{side}"] = flops
         res["train_gflops_per_s_padded"] = (
             med_ratio(per_round, "train_flops_padded", "padded_s") / 1e9
         )
@@ -267,7 +284,6 @@ def bench_shape(
         res["step_gflops_per_s_today"] = (
             med_ratio(per_round, "step_today_flops", "step_today_s") / 1e9
         )
-        res["step_gflops_per_s_new"] = med_ratio(per_round, "step_new_flops", "step_new_s") / 1e9
         res["first_call_s"] = first
         res["rounds"] = per_round
         out[workload] = res
@@ -303,25 +319,34 @@ TABLE = (
     ("same tokens (every round)", "same_tokens_every_round", "{}"),
     ("decode steps, one batch", "decode_steps_one_batch", "{:.0f}"),
     ("decode steps, slots", "decode_steps_slots", "{:.0f}"),
+    ("decode steps, compact", "decode_steps_compact", "{:.0f}"),
     ("sampler one batch, s", "one_batch_s", "{:.3f}"),
     ("sampler slots, s", "slots_s", "{:.3f}"),
-    ("sampler speedup", "sampler_speedup", "{:.2f}x"),
+    ("sampler compact, s", "compact_s", "{:.3f}"),
+    ("sampler speedup, slots", "sampler_speedup", "{:.2f}x"),
+    ("sampler speedup, compact", "sampler_speedup_compact", "{:.2f}x"),
     ("sampler tok/s one batch", "sampler_tokens_per_s_one_batch", "{:.0f}"),
     ("sampler tok/s slots", "sampler_tokens_per_s_slots", "{:.0f}"),
+    ("sampler tok/s compact", "sampler_tokens_per_s_compact", "{:.0f}"),
     ("tokens padded / packed", None, None),
     ("train padded, s", "padded_s", "{:.3f}"),
     ("train packed, s", "packed_s", "{:.3f}"),
     ("train speedup", "train_speedup", "{:.2f}x"),
     ("GRPO step today, s", "step_today_s", "{:.3f}"),
     ("GRPO step new, s", "step_new_s", "{:.3f}"),
+    ("GRPO step compact, s", "step_compact_s", "{:.3f}"),
     ("GRPO step speedup", "step_speedup", "{:.2f}x"),
     ("  paired by round", "step_speedup_paired", "{:.2f}x"),
+    ("GRPO step speedup, compact", "step_speedup_compact", "{:.2f}x"),
+    ("  paired by round", "step_speedup_compact_paired", "{:.2f}x"),
     ("GFLOP/s sampler 1 batch", "sampler_gflops_per_s_one_batch", "{:.1f}"),
     ("GFLOP/s sampler slots", "sampler_gflops_per_s_slots", "{:.1f}"),
+    ("GFLOP/s sampler compact", "sampler_gflops_per_s_compact", "{:.1f}"),
     ("GFLOP/s train padded", "train_gflops_per_s_padded", "{:.1f}"),
     ("GFLOP/s train packed", "train_gflops_per_s_packed", "{:.1f}"),
     ("GFLOP/s step today", "step_gflops_per_s_today", "{:.1f}"),
     ("GFLOP/s step new", "step_gflops_per_s_new", "{:.1f}"),
+    ("GFLOP/s step compact", "step_gflops_per_s_compact", "{:.1f}"),
 )
 
 
@@ -330,7 +355,8 @@ def print_report(report: dict) -> None:
         m = r["model"]
         print(
             f"\n== whole GRPO step, today (one batch + padded) vs new ({m['slots']} decode slots"
-            f" + packed), {shape} ({m['layers']} layers, d {m['hidden']}, vocab {m['vocab']}, "
+            f" + packed) and compact (compact decode + packed), {shape} ({m['layers']} layers, "
+            f"d {m['hidden']}, vocab {m['vocab']}, "
             f"remat {m['remat']}): {m['prompts']} prompts x {m['generations']}, "
             f"{m['prompt_tokens']}-token prompts, cap {m['cap']}, {m['microbatches']} "
             f"microbatches; medians of {m['rounds']} rounds"
@@ -340,6 +366,8 @@ def print_report(report: dict) -> None:
         for label, key, form in TABLE:
             if key is None:
                 cells = [f"{r[w]['tokens_padded']}/{r[w]['tokens_packed']:.0f}" for w in present]
+            elif key not in r[present[0]]:
+                continue  # a sampler this run left out
             else:
                 cells = [form.format(r[w][key]) for w in present]
             print(f"{label:30s}" + "".join(f"{c:>16s}" for c in cells))
@@ -351,6 +379,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cap", type=int, default=256, help="completion length cap (new tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
     ap.add_argument("--slots", type=int, default=None, help="decode slots (default rows / 4)")
+    ap.add_argument(
+        "--samplers", default=",".join(SAMPLERS[1:]), help="besides one_batch: slots,compact"
+    )
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
     ap.add_argument("--smollm2-microbatches", type=int, default=SHAPES["smollm2"][2])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of these")
@@ -358,8 +389,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
     if set(shapes) - set(SHAPES) or set(workloads) - set(WORKLOADS):
         ap.error(f"--shapes from {sorted(SHAPES)}, --workloads from {list(WORKLOADS)}")
+    if set(samplers) - set(SAMPLERS):
+        ap.error(f"--samplers from {list(SAMPLERS)}")
     import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
 
     start_load = os.getloadavg()
@@ -370,7 +404,7 @@ def main(argv=None) -> dict:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]
         micro = args.smollm2_microbatches if shape == "smollm2" else SHAPES[shape][2]
         report[shape] = bench_shape(
-            shape, args.cap, args.rounds, prompts, micro, workloads, args.slots
+            shape, args.cap, args.rounds, prompts, micro, workloads, args.slots, samplers
         )
     end_load = os.getloadavg()
     print(

@@ -234,8 +234,8 @@ def skewed_stops(vocab: int, new_tokens: int) -> tuple[int, ...]:
 
 
 def bench_slots(name, shape, new_tokens, variants, rounds, block=1, warm=0, kernels="auto"):
-    """variants: (workload "skewed" | "uniform", shared prefill, decode_slots) triples; the one
-    with (workload, False, None) is today's default program, the reference of its workload.
+    """variants: (workload "skewed" | "uniform", shared prefill, decode_slots | "compact") triples;
+    the one with (workload, False, None) is today's default program, its workload's reference.
     -> {variant: row of the table}; prints the table."""
     model = uniform_draw_model(dataclasses.replace(shape, kernels=kernels))
     stops = skewed_stops(shape.vocab_size, new_tokens)
@@ -255,7 +255,8 @@ def bench_slots(name, shape, new_tokens, variants, rounds, block=1, warm=0, kern
             ignore_eos=True,
             pad_id=0,
             prompt_bucket=SLOT_PROMPT_LEN,
-            decode_slots=slots,
+            decode_slots=None if slots == "compact" else slots,
+            compact_decode=slots == "compact",
         )
         group = SLOT_GROUP if shared else 1
         return lambda: generate(model, rows, params, key, group_size=group)
@@ -300,16 +301,17 @@ def bench_slots(name, shape, new_tokens, variants, rounds, block=1, warm=0, kern
     return out
 
 
-SLOT_COUNTS = {"tiny": (None, 64, 32, 16), "smollm2": (None, 32)}
-"""Slot counts per shape (None = every row: today's program)."""
+SLOT_COUNTS = {"tiny": (None, "compact", 64, 32, 16), "smollm2": (None, "compact", 32)}
+"""Slot counts per shape (None = every row: today's program; "compact": every row, the batch
+narrowing as rows stop, `rollout.compact_decode`)."""
 
 
-def slot_variants(size: str, quick: bool = False) -> list[tuple[str, bool, int | None]]:
+def slot_variants(size: str, quick: bool = False) -> list[tuple[str, bool, int | str | None]]:
     """The (workload, shared prefill, slots) of a shape's table: every slot count with and
     without shared prefill on the skewed workload, without on the uniform one (SmolLM2: the
-    uniform rows take minutes each; quick: today's and 32 slots, skewed, no sharing)."""
+    uniform rows take minutes each; quick: today's, compact and 32 slots, skewed, no sharing)."""
     if quick:
-        return [("skewed", False, None), ("skewed", False, 32)]
+        return [("skewed", False, None), ("skewed", False, "compact"), ("skewed", False, 32)]
     skewed = [("skewed", sh, slots) for sh in (False, True) for slots in SLOT_COUNTS[size]]
     uniform = [("uniform", False, slots) for slots in SLOT_COUNTS[size]]
     if size == "tiny":

@@ -415,6 +415,8 @@ class RolloutConfig:
     """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
     decode_slots: Optional[int] = None
     """Rows decoded at once per sampler call; a stopped row's slot takes the next (None = all)."""
+    compact_decode: bool = False
+    """Decode every row at once, narrowing the batch to 1/2, 1/4, 1/8 as rows stop (same tokens)."""
     max_turns: int = 1
     """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
     max_tool_response_tokens: Optional[int] = 256
