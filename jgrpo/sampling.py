@@ -9,11 +9,10 @@ Token draws (`filter_logits`, greedy, Gumbel-max) live in jgrpo/draws.py.
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
 cache column P + i and position prompt_len_b + i, the positions the trainer's forward gives it.
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
-Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`, so a row's tokens depend
-neither on its batch nor on `decode_slots` S (S < B rows: S cache rows; a stopped row's slot
-takes the next waiting row: jgrpo/slots.py), nor on `compact_decode` (the one-batch loop narrows
-to its running rows). One executable per (B, U, P, S, DecodeSpec), shardings.
-Kernels follow `model.cfg.kernels`; compiled with `kernels.COMPILER_OPTIONS`. docs/sampler.md."""
+Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
+neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
+on `compact_decode` (the one-batch loop narrows to its running rows). One executable per
+(B, U, P, S, DecodeSpec), shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
 
 from __future__ import annotations
 
