@@ -189,13 +189,16 @@ def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, v
 
 
 @pytest.mark.heavy  # in make test: test_sampling's shared-prefill and decode-slot tests
-@pytest.mark.parametrize("slots", [(), ("rollout.decode_slots=3",)])
+@pytest.mark.parametrize(
+    "slots", [(), ("rollout.decode_slots=3",), ("rollout.compact_decode=true",)]
+)
 def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
     folder, versions, local_results, monkeypatch, slots
 ):
     """rollout.shared_prefill: the engine gives the sampler its groups of G rows (local
     backend; Ray workers run the same engine) and the rows are those without sharing; also
-    with rollout.decode_slots below a worker's rows (a prompt's rows enter in parts)."""
+    with rollout.decode_slots below a worker's rows (a prompt's rows enter in parts) and with
+    rollout.compact_decode (the batch narrows as rows stop)."""
     want, _ = local_results
     group_sizes = []
     generate = sampling.generate
