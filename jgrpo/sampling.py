@@ -183,8 +183,7 @@ def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
 
 def compact_widths(rows: int) -> tuple[int, ...]:
     """Batch widths of the compacting decode loop: rows, then halved (rounded up) down to an
-    eighth: narrower batches cost little less per step on any device (weights are read per
-    step whatever the width)."""
+    eighth; narrower would save little, as a step reads every weight whatever its width."""
     return tuple(sorted({-(-rows // 2**k) for k in range(4)}, reverse=True))
 
 
@@ -310,7 +309,7 @@ def _generate_padded(
         narrower = widths[level + 1] if level + 1 < len(widths) else 0
         if level:
             rows, cache, token_b = _compact(rows, cache, token_b, out[3], width, b)
-        rows_w, plen_w, kv_mask_ws = rows  # loop constants, as the carry holds only what changes
+        rows_w = rows[0]  # rows are loop constants: the carry holds only what changes
         for _, end in _segments(n, spec.attention_chunk):
             # slots written by the segment's last step, rounded up (unwritten slots are masked)
             attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
