@@ -286,14 +286,14 @@ def bench_slots(name, shape, new_tokens, variants, rounds, block=1, warm=0, kern
         f"{resolve_kernels(kernels)}); medians"
     )
     print(
-        f"{'workload':10s}{'shared':>8s}{'slots':>7s}{'tok/s':>10s}{'s':>9s}{'steps':>7s}"
+        f"{'workload':10s}{'shared':>8s}{'slots':>9s}{'tok/s':>10s}{'s':>9s}{'steps':>7s}"
         f"{'vs today':>10s}{'compile s':>11s}{'same tokens':>13s}{'median/max len':>16s}"
     )
     for (workload, shared, slots), r in out.items():
         ratio = "-" if r["vs_today"] is None else f"{r['vs_today']:.2f}x"
         same = "-" if r["same_tokens"] is None else ("yes" if r["same_tokens"] else "NO")
         print(
-            f"{workload:10s}{'yes' if shared else 'no':>8s}{str(slots or 'all'):>7s}"
+            f"{workload:10s}{'yes' if shared else 'no':>8s}{str(slots or 'all'):>9s}"
             f"{r['tokens_per_s']:10.0f}{r['median_s']:9.3f}{r['decode_steps']:7d}{ratio:>10s}"
             f"{r['compile_s']:11.1f}{same:>13s}"
             f"{r['median_length']:>9.0f} / {r['max_length']:<4d}"
