@@ -569,12 +569,20 @@ SLOT_PARAMS = SamplingParams(
 )
 """Prompts of <= 16 tokens: a cache of 48 columns; decode segments [1, 9), [9, 17), [17, 20)
 attend 32, 48 and 48 of them (a segment runs while its slots' rows are young enough)."""
+
+
+def path_dtype_temperature_cases(fast) -> list:
+    """Every (kernel path, dtype, temperature) case; those not in `fast` (the ones make test
+    runs) are marked heavy, for make test-all."""
+    return [
+        pytest.param(*case, marks=() if case in fast else pytest.mark.heavy)
+        for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
+    ]
+
+
 SHARED_PREFILL_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 1.0)}
-"""The cases make test runs (one per kernel path, sampled); make test-all runs all eight."""
-SHARED_PREFILL_CASES = [
-    pytest.param(*case, marks=() if case in SHARED_PREFILL_FAST else pytest.mark.heavy)
-    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
-]
+"""The cases make test runs (one per kernel path, sampled)."""
+SHARED_PREFILL_CASES = path_dtype_temperature_cases(SHARED_PREFILL_FAST)
 
 
 @pytest.mark.parametrize("kernels_path,dtype,temperature", SHARED_PREFILL_CASES)
@@ -635,10 +643,7 @@ def test_shared_prefill_checks_the_groups(pair):
 DECODE_SLOTS_FAST = {("cpu", "float32", 1.0): [(2, 4)], ("portable", "bfloat16", 1.0): [(8, 1)]}
 """The cases make test runs (one per kernel path, one slot count each: a slot program compiles
 in ~6 CPU s); make test-all runs all eight with every (slots, group_size)."""
-DECODE_SLOTS_CASES = [
-    pytest.param(*case, marks=() if case in DECODE_SLOTS_FAST else pytest.mark.heavy)
-    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
-]
+DECODE_SLOTS_CASES = path_dtype_temperature_cases(DECODE_SLOTS_FAST)
 
 
 @pytest.mark.parametrize("kernels_path,dtype,temperature", DECODE_SLOTS_CASES)
@@ -672,11 +677,8 @@ def test_decode_slots_give_the_same_tokens(pair, kernels_path, dtype, temperatur
 
 
 COMPACT_FAST = {("cpu", "float32", 1.0), ("portable", "bfloat16", 0.0)}
-"""The cases make test runs (one per kernel path); make test-all runs all eight."""
-COMPACT_CASES = [
-    pytest.param(*case, marks=() if case in COMPACT_FAST else pytest.mark.heavy)
-    for case in itertools.product(KERNELS, ("float32", "bfloat16"), (0.0, 1.0))
-]
+"""The cases make test runs (one per kernel path, one greedy)."""
+COMPACT_CASES = path_dtype_temperature_cases(COMPACT_FAST)
 
 
 @pytest.mark.parametrize("kernels_path,dtype,temperature", COMPACT_CASES)
