@@ -172,13 +172,16 @@ def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingPara
     return held * per_row
 
 
-def _segments(n: int, chunk: int) -> list[tuple[int, int]]:
-    """Decode steps 1..n-1 split into [start, end) segments of `chunk` (at most 8)."""
+def _segments(n: int, chunk: int, p: int) -> list[tuple[int, int]]:
+    """Decode steps 1..n-1 split into segments of `chunk` (at most 8) -> (end, attend_len) each:
+    the segment runs up to step `end` and attends the cache slots written by its last step,
+    rounded up (unwritten slots are masked); the last one attends the whole cache."""
     steps = n - 1
     if steps <= 0:
         return []
     chunk = max(chunk, math.ceil(steps / _MAX_SEGMENTS))
-    return [(a, min(a + chunk, n)) for a in range(1, n, chunk)]
+    ends = [min(a + chunk, n) for a in range(1, n, chunk)]
+    return [(end, min(_round_up(p + end - 1, _SLOT_ALIGN), cache_length(p, n))) for end in ends]
 
 
 def compact_widths(rows: int) -> tuple[int, ...]:
@@ -228,9 +231,6 @@ def _generate_padded(
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
     if spec.decode_slots is not None:
-        # a segment of the slot loop attends its rows' ages' columns; the last one, every column
-        ends = [end for _, end in _segments(n, spec.attention_chunk)] or [2]
-        attend = [min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len) for end in ends[:-1]]
         return decode_in_slots(
             model,
             layers,
@@ -242,7 +242,7 @@ def _generate_padded(
             row_ids_b,
             spec=spec,
             cache_len=cache_len,
-            segments=list(zip(ends, [*attend, cache_len])),
+            segments=_segments(n, spec.attention_chunk, p) or [(2, cache_len)],
             path=path,
         )
     logits_uv, cache = model.prefill(
@@ -310,9 +310,7 @@ def _generate_padded(
         if level:
             rows, cache, token_b = _compact(rows, cache, token_b, out[3], width, b)
         rows_w = rows[0]  # rows are loop constants: the carry holds only what changes
-        for _, end in _segments(n, spec.attention_chunk):
-            # slots written by the segment's last step, rounded up (unwritten slots are masked)
-            attend_len = min(_round_up(p + end - 1, _SLOT_ALIGN), cache_len)
+        for end, attend_len in _segments(n, spec.attention_chunk, p):
 
             def cond(loop, end=end, narrower=narrower, rows_w=rows_w):
                 i, _, _, out = loop
