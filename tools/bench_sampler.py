@@ -154,7 +154,8 @@ def bench(
             tok_s=batch * new_tokens / full,
             full=full,
             prefill=prefill,
-            decode_ms=1e3 * (full - prefill) / (new_tokens - 1),
+            # None: t(N) <= t(1), the decode steps drowned in the timer's noise (a loaded machine)
+            decode_ms=1e3 * (full - prefill) / (new_tokens - 1) if full > prefill else None,
             compile=(first - full) + (first1 - prefill),
             out=out,
         )
@@ -178,10 +179,13 @@ def bench(
         ("decode ms/token (median)", "decode_ms", "{:14.3f}", False),
         ("compile s (first calls)", "compile", "{:14.2f}", None),
     ):
+        cells = [f"{'noise':>14s}" if r[key] is None else fmt.format(r[key]) for r in (o, t)]
         ratio = (
-            "" if higher is None else f"{(o[key] / t[key] if higher else t[key] / o[key]):9.1f}x"
+            ""
+            if higher is None or None in (o[key], t[key])
+            else f"{(o[key] / t[key] if higher else t[key] / o[key]):9.1f}x"
         )
-        print(f"{label:28s}" + fmt.format(o[key]) + fmt.format(t[key]) + f"{ratio:>10s}")
+        print(f"{label:28s}" + "".join(cells) + f"{ratio:>10s}")
     if temperature == 0:
         same = (gen.tokens == hf_out[:, prompt_len:].numpy()).all(axis=1)
         print(f"greedy rows identical to transformers: {int(same.sum())}/{batch}")
