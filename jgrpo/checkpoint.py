@@ -208,8 +208,7 @@ class Checkpointer:
         """`save_period`: :meth:`should_save` is true every this many steps (0 = never).
         `read_only` (export, eval): nothing in `directory` is created or removed; in particular
         a writer's `<step>.orbax-checkpoint-tmp` folders are left alone (a writer removes those of
-        a killed run before its next save, on a background thread that orbax's close does not
-        wait for)."""
+        a killed run before this returns)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory).absolute()
@@ -218,12 +217,16 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep_last),
             enable_async_checkpointing=async_save,
-            # Removes <step>.orbax-checkpoint-tmp left by a killed run, before the next save.
+            # Removes <step>.orbax-checkpoint-tmp left by a killed run (waited for below).
             cleanup_tmp_directories=not read_only,
             create=not read_only,
             read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        # orbax removes those tmp folders on a thread it waits for only before its next save; a
+        # process that exits first (a resume that finds no intact step: exit 2) raced it and
+        # printed its RuntimeError at shutdown. Waiting here leaves no thread behind.
+        self._manager._maybe_await_cleanup_tmp_directory()
         self._async = async_save
         self._pending: list[int] = []  # saved steps whose checksums are not yet written
 

@@ -272,6 +272,22 @@ def test_step_folder_without_commit_marker_is_ignored(tmp_path):
             ckpt.restore(3, {"w": jnp.ones(3)})
 
 
+def test_no_orbax_thread_outlives_the_constructor(tmp_path):
+    """orbax removes a killed run's tmp folders on a thread of its own: a process that built a
+    Checkpointer and exited at once (a resume with no intact step, exit 2) used to race that
+    thread and print its RuntimeError ("cannot schedule new futures after shutdown")."""
+    import threading
+
+    directory = tmp_path / "ckpt"
+    (directory / "4.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    before = set(threading.enumerate())
+    ckpt = Checkpointer(directory, keep_last=3)
+    alive = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert alive == [] and not (directory / "4.orbax-checkpoint-tmp").exists(), alive
+    assert ckpt._manager._cleanup_tmp_directory_future is None  # orbax's handle on it: joined
+    ckpt.close()
+
+
 def _flip_a_byte(step_dir: Path) -> None:
     """Flip one byte in the middle of the largest array data file of the step."""
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
