@@ -81,6 +81,53 @@ def make_rollout_batch(seed, num_prompts=4, group=4, prompt_len=5, total_len=14,
     )
 
 
+def memory_map_count() -> int:
+    """Memory mappings this process holds (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def memory_map_limit() -> int | None:
+    """The kernel's per-process limit on memory mappings (vm.max_map_count), or None."""
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """After a test, drop every compiled program once the process holds a quarter of the
+    kernel's memory-mapping limit (later tests compile theirs again, or load them from the
+    session's persistent cache).
+
+    XLA:CPU maps each compiled program's code into memory in several mappings (about ten for a
+    small program, more for a large one), and they live as long as jax's caches keep the
+    program. tests/test_sampling.py alone compiles enough to reach Linux's
+    default vm.max_map_count (65530), after which LLVM's mmap failed ("LLVM compilation error:
+    Cannot allocate memory") and the worker died in the exception that reported it. A test after
+    which half the limit is still held once the caches are cleared fails here, by name."""
+    yield
+    limit = memory_map_limit()
+    if not limit or memory_map_count() <= limit // 4:
+        return
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    held = memory_map_count()
+    if held > limit // 2:
+        pytest.fail(
+            f"{held} memory mappings of vm.max_map_count {limit} held after jax.clear_caches(): "
+            "something keeps compiled programs alive"
+        )
+
+
 @pytest.fixture
 def rollout_batch():
     return make_rollout_batch(0)
