@@ -269,9 +269,11 @@ def test_sigkilled_workers_are_restarted_and_steps_not_lost(folder, versions, lo
     backend = RayRollout(cfg, folder)
     try:
         examples = examples_for(cfg, 2)
+        # both workers up first: waiting for their pids after the request let a worker that
+        # started early finish its part before the other started, and only 1 failure counted
+        old_pids = backend.worker_pids()
         backend.publish(versions[0], 0)
         backend.request(0, examples[0])
-        old_pids = backend.worker_pids()
         for pid in old_pids:  # step 0 is generating, one part on each worker
             os.kill(pid, signal.SIGKILL)
         got = backend.collect(0)
