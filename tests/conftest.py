@@ -93,7 +93,8 @@ def memory_map_count() -> int:
 def memory_map_limit() -> int | None:
     """The kernel's per-process limit on memory mappings (vm.max_map_count), or None."""
     try:
-        return int(open("/proc/sys/vm/max_map_count").read())
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
     except (OSError, ValueError):
         return None
 
