@@ -99,6 +99,10 @@ def memory_map_limit() -> int | None:
         return None
 
 
+MEMORY_MAP_LIMIT = memory_map_limit()
+"""vm.max_map_count, read once per test process (None: not Linux)."""
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     """After a test, drop every compiled program once the process holds a quarter of the
@@ -112,7 +116,7 @@ def _release_compiled_programs():
     Cannot allocate memory") and the worker died in the exception that reported it. A test after
     which half the limit is still held once the caches are cleared fails here, by name."""
     yield
-    limit = memory_map_limit()
+    limit = MEMORY_MAP_LIMIT
     if not limit or memory_map_count() <= limit // 4:
         return
     import gc

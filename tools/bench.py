@@ -291,7 +291,7 @@ def bench_sampler_vs_transformers(quick: bool, with_smollm2: bool, limits: dict)
             "jgrpo_tokens_per_s": rows["jgrpo"]["tok_s"],
             "transformers_tokens_per_s": rows["transformers"]["tok_s"],
             "speedup": rows["jgrpo"]["tok_s"] / rows["transformers"]["tok_s"],
-            "decode_ms_per_token_step": rows["jgrpo"]["decode_ms"],
+            "decode_ms_per_token_step": decode_ms,
             "decode_bytes_per_step": weights + cache,
             "decode_vs_bandwidth_limit": None
             if decode_ms is None
