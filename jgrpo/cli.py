@@ -158,6 +158,9 @@ def _dispatch(args) -> int:
         )
         return 0
 
+    from jgrpo.tasks.child import add_user_folders
+
+    add_user_folders(args.config)  # reward, tool and environment modules found as by Python
     cfg = load_config(args.config, args.overrides)
     if args.command == "inspect-step":
         from jgrpo.inspect_step import inspect_step
@@ -322,6 +325,7 @@ def _train(cfg, args) -> int:
     _check_model_and_data(cfg)
     distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
+    from jgrpo.tasks.child import UserCodeError
 
     train.check_run(cfg)
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
@@ -337,7 +341,7 @@ def _train(cfg, args) -> int:
         raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
-    except train.RunStopped as e:
+    except (train.RunStopped, UserCodeError) as e:  # UserCodeError: data.reward_errors: raise
         print(f"jgrpo: stopped: {e}", file=sys.stderr)
         return 1
     except BaseException:

@@ -215,6 +215,8 @@ class DataConfig:
     """A reward call running past this scores 0 and is counted in metrics."""
     reward_import_timeout_s: float = 60.0
     """Importing the reward functions at start-up may take this long (then a ConfigError)."""
+    reward_errors: Literal["log", "raise"] = "log"
+    """A failing reward function: log (first traceback once, all counted, scores 0) or raise."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
     val_sets: tuple[ValSetConfig, ...] = ()

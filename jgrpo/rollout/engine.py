@@ -31,7 +31,7 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.rollout import dapo, turns
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.dapo import PADDED_KEYS
-from jgrpo.tasks.child import OK, TIMEOUT
+from jgrpo.tasks.child import ERROR, OK, TIMEOUT
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -47,6 +47,9 @@ class RolloutResult:
     """A few (prompt, completion, reward) records for logging (logging.num_samples)."""
     reward_names: tuple[str, ...] = ()
     """Names of the custom reward terms, the columns of batch["reward_terms"]."""
+    failures: list = dataclasses.field(default_factory=list)
+    """Each piece of user code's first failure in this batch (jgrpo.tasks.child.Failure): the
+    backends hand them to `report_failures` in the trainer process."""
 
     def step_batch(self) -> TrainBatch:
         """The train step's input: the TrainBatch fields of `batch` (checked)."""
@@ -71,7 +74,8 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     counts |= {k: max(r.stats[k] for r in results) for k in PHASE_KEYS if k in results[0].stats}
     samples = [s for r in results for s in r.samples]
     names = results[0].reward_names
-    return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+    failures = [f for r in results for f in r.failures]
+    return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
@@ -113,6 +117,9 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         column = terms[:, f].astype(np.float64)
         given = ~np.isnan(column)
         stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
+        if "reward_status" in batch:
+            failed = batch["reward_status"][:, f] == ERROR
+            stats[f"reward/{name}/num_errors"] = float(failed.sum())
     return stats
 
 
@@ -131,7 +138,7 @@ def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResul
         for k in PADDED_KEYS:
             batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
     stats = gather_pod_rows(RolloutResult(batch, result.stats, [], result.reward_names)).stats
-    return RolloutResult(batch, stats, result.samples, result.reward_names)
+    return RolloutResult(batch, stats, result.samples, result.reward_names, result.failures)
 
 
 def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutResult:
@@ -147,7 +154,8 @@ def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutR
     total = np.sum(counts, axis=0)
     failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
     phases = {k: local[k] for k in PHASE_KEYS if k in local}  # this host's phase timings
-    return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names)
+    mine = [] if result is None else result.failures  # this host's, reported by this host
+    return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names, mine)
 
 
 class RolloutEngine:
@@ -321,6 +329,9 @@ class RolloutEngine:
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
+        batch["reward_status"] = np.asarray(info["reward_status"], np.int8).reshape(
+            len(rows), len(names)
+        )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
         elif (votes := task.votes(completions)) is not None:
@@ -350,7 +361,8 @@ class RolloutEngine:
             }
             for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
-        return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+        failures = list(info["failures"])
+        return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 
 def vote_ids(votes) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.arithmetic import ArithmeticTask
 from jgrpo.tasks.calculator import CalculatorTask
+from jgrpo.tasks.child import Failure
 from jgrpo.tasks.countdown import CountdownTask
 from jgrpo.tasks.data import (
     Example,
@@ -400,7 +401,9 @@ class Task:
         their forwards, then waiting for what the verifier and the functions did not overlap;
         a model's scores are always OK),
         reward_terms float32[N, F] (NaN where not OK), sample_mask bool[N] (False where no term
-        gave a value).
+        gave a value), reward_status int8[N, F] (OK / ERROR / TIMEOUT / NONE of each term),
+        failures [jgrpo.tasks.child.Failure]: each function's first failure in this batch (for
+        `report_failures` in the trainer process; fatal under data.reward_errors: raise).
         """
         n = len(completions)
         if not len(prompts) == len(examples) == n:
@@ -445,8 +448,11 @@ class Task:
         num_terms = len(self.cfg.reward_functions) + (environment_rewards is not None)
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
-        fn_values, fn_status = self._runner.run(r_prompts, r_completions, records, completion_ids)
+        fn_values, fn_status, problems = self._runner.run(
+            r_prompts, r_completions, records, completion_ids
+        )
         values[self._function_indices], status[self._function_indices] = fn_values, fn_status
+        failures = [self._failure(f, *problem, examples) for f, problem in problems.items()]
         start = time.perf_counter()
         for f, scores in pending.items():
             values[f] = scores.result()
@@ -473,8 +479,27 @@ class Task:
             "reward_terms": np.where(ok, values, np.nan).T.astype(np.float32),
             "sample_mask": has_value,
             "reward_model_s": model_s,
+            "reward_status": status.T.copy(),
+            "failures": failures,
         }
         return rewards.astype(np.float32), info
+
+    def _failure(self, f: int, first: int, last: int, text: str, examples) -> Failure:
+        """The report of the runner's function f's first failure in a batch (at samples
+        first..last: one, or a batched call's)."""
+        index = self._function_indices[f]
+        label = self.cfg.reward_functions[index].label
+        where = f"samples {first}-{last} (one batched call)"
+        if first == last:
+            rid = examples[first].get("id")
+            where = f"sample {first}" + ("" if rid is None else f" (record {rid})")
+        return Failure(
+            name=f"{self._runner.key}[{index}] ({label!r})",
+            where=where,
+            text=text,
+            counter=f"reward/{label}/num_errors",
+            fatal=self.cfg.reward_errors == "raise",
+        )
 
     def close(self) -> None:
         """Stop the reward child processes, if any (they also die with this process)."""
