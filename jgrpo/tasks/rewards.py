@@ -1,20 +1,18 @@
 """Custom reward functions: the signature, the start-up check and contained execution.
 
 Signature (TRL's), called once per function per scored batch, every argument a list aligned
-with the rows and passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
-list[float | None]` (`completions[b]` is `[{"role": "assistant", "content": text}]` for chat
-prompts; `completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per
-dataset column). `per_sample: true` keeps `fn(prompt, completion, example) -> float`. In both
-forms None or NaN = no reward from this function for this sample (counted, not a zero); a
-sample whose every term is None gets sample_mask 0. Exceptions, timeouts, infinities and
-non-numbers score 0 and are counted; a function's first failure in a batch comes back with its
-traceback (`run`'s failures: jgrpo.tasks.child.report_failures shows it once per run).
-Functions run in a child process (`python -c`, nothing forked; given as `module:function` or
-cloudpickled objects): `RewardRunner.start` imports/unpickles and checks every function under
-data.reward_import_timeout_s before any model loads (a failing import is a ConfigError naming
-it); each call runs under a SIGALRM timer of data.reward_timeout_s, and a hang that ignores
-signals is killed by the parent after `reward_timeout_s + KILL_SLACK_S` (the child restarts,
-unfinished work is resubmitted). docs/rewards.md: the full rules, per-sample timeouts too."""
+with the rows, passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
+list[float | None]` (chat prompts get `[{"role": "assistant", "content": text}]` completions;
+`completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per column).
+`per_sample: true` keeps `fn(prompt, completion, example) -> float`. In both forms None or NaN
+= no reward from this function for this sample (counted, not a zero); a sample whose every
+term is None gets sample_mask 0. Exceptions, timeouts, infinities and non-numbers score 0 and
+are counted; each function's first failure in a batch comes back with its traceback (`run`).
+Functions run in a child process (`python -c`, nothing forked; `module:function` or
+cloudpickled objects): `RewardRunner.start` imports and checks every function under
+data.reward_import_timeout_s before any model loads (failing: a ConfigError naming it); each
+call runs under a SIGALRM timer of data.reward_timeout_s; a hang that ignores signals is killed
+after `reward_timeout_s + KILL_SLACK_S` (restart, resubmit). docs/rewards.md: the full rules."""
 
 from __future__ import annotations
 
