@@ -12,13 +12,18 @@ import textwrap
 import numpy as np
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
 from jgrpo import cli
 from jgrpo.config import ConfigError, DataConfig, RewardFunctionConfig
 from jgrpo.metrics import read_metrics
+from jgrpo.models.tiny import build_tiny_model
+from jgrpo.rollout.turns import TurnSettings
 from jgrpo.tasks import make_task
 from jgrpo.tasks.child import ERROR, NONE, OK, Failure, UserCodeError, report_failures
+from jgrpo.tasks.tools import ToolRunner
 from tests.test_cli import TINY
+from tests.test_multiturn import CALL, FakeRunner, run_script
 
 MODULE = textwrap.dedent(
     """
@@ -217,3 +222,94 @@ def test_cli_reward_errors_raise_stops_with_the_traceback(tmp_path, monkeypatch,
     assert not (run_dir / "metrics.jsonl").exists() or not [
         json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
     ]
+
+
+# ----------------------------------------------------------------------------- tools, environments
+
+TOOLS_MODULE = textwrap.dedent(
+    '''
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: first
+            b: second
+        """
+        return a + b
+
+    def divide(a: int) -> float:
+        """Divide by zero.
+
+        Args:
+            a: numerator
+        """
+        return a / 0
+
+    class Game:
+        def reset(self, **record):
+            return "go"
+
+        def step(self, text):
+            return int(text), None, True
+    '''
+)
+
+
+@pytest.fixture
+def tool_runner(tmp_path, monkeypatch):
+    (tmp_path / "jgrpo_test_loud_tools.py").write_text(TOOLS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runner = ToolRunner(
+        ["jgrpo_test_loud_tools:add", "jgrpo_test_loud_tools:divide"],
+        ["data.tools[0]", "data.tools[1]"],
+        "jgrpo_test_loud_tools:Game",
+        timeout_s=5.0,
+        import_timeout_s=60.0,
+    )
+    runner.start()
+    yield runner
+    runner.close()
+
+
+def test_tools_and_environments_report_their_first_failure(tool_runner):
+    ops = [
+        ("call", 0, ("divide", {"a": 1})),
+        ("call", 1, ("divide", {"a": 2})),
+        ("call", 2, ("add", {"a": 1})),  # the model's bad call: an error message, no report
+        ("call", 3, ("nope", {})),  # likewise
+        ("reset", 0, {}),
+        ("step", 0, "not a number"),
+    ]
+    out = tool_runner.run(ops)
+    assert [status for status, _ in out] == [ERROR, ERROR, ERROR, ERROR, OK, ERROR]
+    assert out[0][1] == "error: ZeroDivisionError: division by zero"  # what the model reads
+    by_name = {f.name: f for f in tool_runner.take_failures()}
+    assert sorted(by_name) == ["data.environment ('Game')", "data.tools[1] ('divide')"]
+    divide = by_name["data.tools[1] ('divide')"]
+    assert divide.where == "a call (row 0)" and divide.counter == "tools/divide/num_errors"
+    assert "in divide" in divide.text and divide.text.endswith(
+        "ZeroDivisionError: division by zero"
+    )
+    game = by_name["data.environment ('Game')"]
+    assert game.where == "step (row 0)" and game.counter == "environment/errors"
+    assert "in step" in game.text and "ValueError: invalid literal for int()" in game.text
+    assert tool_runner.take_failures() == []  # taken once
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory):
+    return AutoTokenizer.from_pretrained(
+        build_tiny_model(tmp_path_factory.mktemp("tok") / "m", chat=True)
+    )
+
+
+def test_turns_count_failed_calls_per_tool(monkeypatch, chat_tok):
+    tok = chat_tok
+    settings = TurnSettings(max_turns=2, tools=True)
+    runner = FakeRunner(answer=lambda name, args: (ERROR, "error: boom"))
+    texts = {1: CALL % "1", 2: "done<|im_end|>"}
+    prompt = tok("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    conv, _, _ = run_script(
+        monkeypatch, tok, texts, settings, n=256, runner=runner, prompts=[prompt] * 2
+    )
+    assert conv.tool_errors_by_name == {"calculator": 2}

@@ -69,7 +69,7 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
                 b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    counts = {k: float(sum(r.stats[k] for r in results)) for k in REWARD_FAILURE_KEYS}
+    counts = {k: float(sum(r.stats[k] for r in results)) for k in failure_keys(results[0].stats)}
     # workers run side by side: a phase lasts as long as its slowest worker
     counts |= {k: max(r.stats[k] for r in results) for k in PHASE_KEYS if k in results[0].stats}
     samples = [s for r in results for s in r.samples]
@@ -79,6 +79,15 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
+
+
+def failure_keys(stats: dict) -> tuple[str, ...]:
+    """The counts of a rollout's failures that add up over workers and hosts: the reward
+    failures and each tool's `tools/<name>/num_errors` (every worker reports every tool)."""
+    tools = sorted(k for k in stats if k.startswith("tools/") and k.endswith("/num_errors"))
+    return REWARD_FAILURE_KEYS + tuple(tools)
+
+
 PHASE_KEYS = (
     "perf/sample_s",
     "perf/detokenize_s",
@@ -153,6 +162,8 @@ def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutR
     counts = distributed.allgather(np.asarray([local[k] for k in REWARD_FAILURE_KEYS]))
     total = np.sum(counts, axis=0)
     failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    # per-tool counts: this host's (a host with no rows may not know the tools' names)
+    failures |= {k: local[k] for k in failure_keys(local)[len(REWARD_FAILURE_KEYS) :]}
     phases = {k: local[k] for k in PHASE_KEYS if k in local}  # this host's phase timings
     mine = [] if result is None else result.failures  # this host's, reported by this host
     return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names, mine)
@@ -347,6 +358,9 @@ class RolloutEngine:
         }
         if self.multi_turn:
             counts["perf/tools_s"] = reset_s + conv.tools_s
+            for schema in self.task.tool_runner.schemas:
+                tool = schema["function"]["name"]
+                counts[f"tools/{tool}/num_errors"] = float(conv.tool_errors_by_name.get(tool, 0))
             # the whole conversation after the prompt, special tokens shown
             completions = [self.tokenizer.decode(ids) for ids in completion_ids]
         samples = [
@@ -361,7 +375,7 @@ class RolloutEngine:
             }
             for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
-        failures = list(info["failures"])
+        failures = list(info["failures"]) + self.task.tool_runner.take_failures()
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 

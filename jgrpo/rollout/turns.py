@@ -96,6 +96,8 @@ class Conversations:
     """Seconds spent decoding turns (for the tool-call parser and the environment)."""
     tools_s: float = 0.0
     """Seconds spent in tool calls, environment steps and the replies' ids."""
+    tool_errors_by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Calls of each named tool that failed (raised, timed out, returned what is not text)."""
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -136,6 +138,7 @@ def run_turns(
     messages: list[list[dict]] = [[] for _ in range(b_total)]
     first_gen = None
     seconds = {"decode": 0.0, "tools": 0.0}
+    by_name: dict[str, int] = {}
     for turn in range(1, settings.max_turns + 1):
         running = np.flatnonzero(alive)
         if running.size == 0:
@@ -183,9 +186,10 @@ def run_turns(
                 alive[b] = False
         start = time.perf_counter()
         results = runner.run([op[:3] for op in ops]) if ops else []
-        for (kind, b, _, slot), (status, value) in zip(ops, results):
+        for (kind, b, arg, slot), (status, value) in zip(ops, results):
             if kind == "call":
                 counts["tool_errors"][b] += status != OK
+                by_name[arg[0]] = by_name.get(arg[0], 0) + (status != OK)
                 counts["tool_timeouts"][b] += status == TIMEOUT
                 pending[b][slot] = dict(pending[b][slot], content=value)
                 continue
@@ -216,7 +220,9 @@ def run_turns(
             messages[b] += reply
         seconds["tools"] += time.perf_counter() - start
     conv = _pack(first_gen, region, lps, gen_bits, truncated, texts, messages, counts, env_reward)
-    return dataclasses.replace(conv, decode_s=seconds["decode"], tools_s=seconds["tools"])
+    return dataclasses.replace(
+        conv, decode_s=seconds["decode"], tools_s=seconds["tools"], tool_errors_by_name=by_name
+    )
 
 
 def _cut(message: dict, tokenizer, settings: TurnSettings, counts: dict, b: int) -> dict:

@@ -91,12 +91,23 @@ class Failure:
     """Stop the run (data.reward_errors: raise) instead of reporting once and counting."""
 
 
+_OURS = {str(Path(__file__).with_name(n)) for n in ("child.py", "rewards.py", "tools.py")}
+"""The files whose frames sit above a user call in the child."""
+
+
+def raised_in_user_code(e: BaseException) -> bool:
+    """`e` came from inside the user's code, not from calling it (e.g. a tool called with
+    arguments it does not take: the model's mistake, told to the model, not a bug to show)."""
+    return any(f.filename not in _OURS for f in traceback.extract_tb(e.__traceback__))
+
+
 def format_traceback(e: BaseException) -> str:
     """The traceback of `e` caught in the child, without the child's own frames (those above
     the user call): what the user needs to find the bug."""
     frames = traceback.extract_tb(e.__traceback__)
-    ours = {str(Path(__file__).with_name(n)) for n in ("child.py", "rewards.py", "tools.py")}
-    keep = next((i for i, f in enumerate(frames) if f.filename not in ours), 0)
+    keep = next((i for i, f in enumerate(frames) if f.filename not in _OURS), None)
+    if keep is None:  # raised by our checks of what the code returned: the message says it
+        return "".join(traceback.format_exception_only(type(e), e)).rstrip()
     tb = e.__traceback__
     for _ in range(keep):
         tb = tb.tb_next
