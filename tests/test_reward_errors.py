@@ -211,6 +211,23 @@ def test_cli_shows_a_failing_rewards_traceback_once_and_counts_it(tmp_path, monk
         assert math.isfinite(r["reward/length/mean"])
 
 
+@pytest.mark.heavy  # make test: the local backend's test above (the same reports)
+def test_ray_workers_failures_are_shown_once_by_the_driver(
+    tmp_path, monkeypatch, capsys, ray_cluster
+):
+    """Two workers fail on every sample of two steps; their reports travel with the batches
+    (workers log nothing to the driver) and the trainer shows the first one once."""
+    code, err, run_dir = _cli_run(
+        tmp_path, monkeypatch, capsys, "rollout.backend=ray", "rollout.num_workers=2"
+    )
+    assert code == 0, err
+    assert err.count("('always_fails') failed at sample 0 (") == 1, err
+    assert err.count("ZeroDivisionError: float division by zero") == 1
+    for r in read_metrics(run_dir):
+        assert r["reward/always_fails/num_errors"] == 16
+        assert r["reward/length/num_errors"] == 0
+
+
 def test_cli_reward_errors_raise_stops_with_the_traceback(tmp_path, monkeypatch, capsys):
     code, err, run_dir = _cli_run(tmp_path, monkeypatch, capsys, "data.reward_errors=raise")
     assert code == 1
