@@ -20,7 +20,15 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout.turns import TurnSettings
 from jgrpo.tasks import make_task
-from jgrpo.tasks.child import ERROR, NONE, OK, Failure, UserCodeError, report_failures
+from jgrpo.tasks.child import (
+    ERROR,
+    NONE,
+    OK,
+    Failure,
+    UserCodeError,
+    add_user_folders,
+    report_failures,
+)
 from jgrpo.tasks.tools import ToolRunner
 from tests.test_cli import TINY
 from tests.test_multiturn import CALL, FakeRunner, run_script
@@ -160,6 +168,20 @@ def test_an_import_error_says_where_it_looked(tmp_path, monkeypatch):
     message = str(e.value)
     assert "No module named 'jgrpo_no_such_module_q'; looked in " in message
     assert str(tmp_path) in message and "and the installed packages" in message
+
+
+def test_modules_in_the_working_folder_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd())])
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    (tmp_path / "jgrpo_test_cwd_rewards.py").write_text(MODULE)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="No module named 'jgrpo_test_cwd_rewards'"):
+        _task(["jgrpo_test_cwd_rewards:b_none"])
+    add_user_folders()
+    assert sys.path[-1] == str(tmp_path)
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[-1] == str(tmp_path)
+    task = _task(["jgrpo_test_cwd_rewards:b_none"])
+    task.close()
 
 
 # ----------------------------------------------------------------------------- the CLI
