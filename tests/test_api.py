@@ -48,7 +48,7 @@ def matches_target(prompts, completions, target, **kwargs):
 """
 QUICK = [
     "data.task=prompts",
-    "data.num_val_examples=2",
+    "data.val_fraction=0.34",
     "grpo.max_num_steps=3",
     "grpo.val_at_start=false",
     "grpo.val_at_end=true",

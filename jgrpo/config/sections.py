@@ -160,6 +160,7 @@ class ValSetConfig:
             **given,
             train_path=None,
             val_path=self.path,
+            val_fraction=None,
             num_val_examples=data.num_val_examples
             if self.num_examples is None
             else self.num_examples,
@@ -182,7 +183,9 @@ class DataConfig:
     train_path: Optional[str] = None
     """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
     val_path: Optional[str] = None
-    """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    """Held-out set in the same formats; None = none for your data, built-in tasks' own set."""
+    val_fraction: Optional[float] = None
+    """Hold out this fraction (0 < f < 1) of the training records, seeded (None = none)."""
     dataset_config: Optional[str] = None
     """Config (subset) of hub dataset ids, e.g. `main` of openai/gsm8k; None = their only one."""
     prompt_key: str = "prompt"
