@@ -11,8 +11,9 @@ Validation set (depends only on the data config): data.val_path (or eval_dataset
 data.num_val_examples records; else, record data: round(f x records) held out by a seeded split
 of data.val_fraction f, none if unset (no training record turns validation unasked; 1 record
 trains); else a synthetic set disjoint from every training example (dedup key: the question
-for arithmetic, the number multiset for countdown), at most half the distinct questions. Each data.val_sets entry is a val-only Task of its own
-(`task.val_tasks[name]`): the entry's records, prompts and reward terms."""
+for arithmetic, the number multiset for countdown), at most half the distinct questions.
+Each data.val_sets entry is a val-only Task (`task.val_tasks[name]`): its records, prompts
+and reward terms."""
 
 from __future__ import annotations
 
