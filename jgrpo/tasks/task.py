@@ -12,8 +12,7 @@ data.num_val_examples records; else, record data: round(f x records) held out by
 of data.val_fraction f, none if unset (no training record turns validation unasked; 1 record
 trains); else a synthetic set disjoint from every training example (dedup key: the question
 for arithmetic, the number multiset for countdown), at most half the distinct questions.
-Each data.val_sets entry is a val-only Task (`task.val_tasks[name]`): its records, prompts
-and reward terms."""
+Each data.val_sets entry is a val-only Task (`task.val_tasks[name]`) with its own scoring."""
 
 from __future__ import annotations
 
