@@ -302,3 +302,41 @@ def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
         "data.prompt_key: the dataset has chat-message prompts but the tokenizer "
         "of model.path 'builtin:tiny-qwen2' has no chat template"
     ), err
+
+
+# ----------------------------------------------------------------------------- defaults that run
+
+
+def test_default_lengths_fit_the_default_model_and_the_length_error_says_what_to_set():
+    """A config setting only data.task resolves and passes the model pre-flight: the default
+    rollout lengths (prompt_bucket + max_new_tokens) fit the default model's positions."""
+    cfg = jgrpo.GRPOTrainer({"data": {"task": "arithmetic"}}).config
+    assert cfg.model.path == "builtin:tiny-qwen2"
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    check_model_path("builtin:tiny-qwen2-chat", 32 + 256)
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout\.prompt_bucket \+ rollout\.max_new_tokens = 4096 exceeds "
+        r"max_position_embeddings 2048 of .*: lower rollout\.max_new_tokens \(or "
+        r"rollout\.prompt_bucket\) so that they sum to at most 2048$",
+    ):
+        check_model_path(cfg.model.path, 4096)
+
+
+@pytest.mark.slow  # one GRPO step at the default lengths (288 tokens a row) through the CLI
+def test_a_config_of_only_data_task_trains(tmp_path, capsys):
+    (tmp_path / "min.yaml").write_text("data:\n  task: arithmetic\n")
+    small = [  # fewer rows and steps; the lengths and the model stay the defaults
+        "grpo.max_num_steps=1",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.val_at_start=false",
+        "data.num_val_examples=2",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+    ]
+    run_dir = tmp_path / "run"
+    argv = ["train", "--config", str(tmp_path / "min.yaml"), "--run-dir", str(run_dir), *small]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1] and "val/accuracy" in rows[0]
