@@ -1,5 +1,6 @@
 """jgrpo.tasks: verifiers, data order and restore, file loading, errors, rewards, prompts."""
 
+import dataclasses
 import json
 import pickle
 import textwrap
@@ -520,8 +521,13 @@ def test_prompts_task_batched_reward_sees_columns_per_row(
         texts = [task.format_prompt(e, chat_tokenizer) for e in examples]
         for e, text in zip(examples, texts):
             value = e["row"]["prompt"]
-            if isinstance(value, str):  # use_chat_template wraps plain prompts too
-                assert text == f"<|user|>{value}<|end|><|assistant|>"
+            if isinstance(value, str):  # verbatim by default (TRL); use_chat_template wraps it
+                assert text == value
+                wrapping = make_task(
+                    dataclasses.replace(cfg, use_chat_template=True), 0, load_data=False
+                )
+                wrapped = wrapping.format_prompt(e, chat_tokenizer)
+                assert wrapped == f"<|user|>{value}<|end|><|assistant|>"
             else:
                 assert text.endswith(f"<|user|>{value[-1]['content']}<|end|><|assistant|>")
         completions = ["xy", "xyz", "x"]

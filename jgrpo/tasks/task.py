@@ -302,7 +302,7 @@ class Task:
         tools: Optional[list[dict]] = None,
         observation: Optional[str] = None,
     ) -> str:
-        """Prompt text: the chat template when data.use_chat_template and the tokenizer has one
+        """Prompt text: the chat template when data.wraps_string_prompts and the tokenizer has one
         (encode it with add_special_tokens=False), else the task's bare prompt; a chat-message
         prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`), and so do
         `tools` (JSON schemas, the template's `tools=`) and an environment's first
@@ -310,7 +310,7 @@ class Task:
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         bare = self.kind.bare_prompt(example)
         chat = tools or observation is not None
-        if bare is not None and not chat and not (self.cfg.use_chat_template and template):
+        if bare is not None and not chat and not (self.cfg.wraps_string_prompts and template):
             return bare
         if not template:
             raise ValueError(
