@@ -131,7 +131,11 @@ def _batch_keys(given: dict, generations: int) -> dict[str, Any]:
         steps = steps or accumulate
         rows = per_step * steps
     elif rows % per_step:
-        _fail("generation_batch_size", rows, f"must be a multiple of per_device_train_batch_size {per_step}")
+        _fail(
+            "generation_batch_size",
+            rows,
+            f"must be a multiple of per_device_train_batch_size {per_step}",
+        )
     else:
         steps = rows // per_step
     if rows % generations:
