@@ -73,6 +73,8 @@ def validate_all(cfg: Config, backend, task, step: int) -> dict[str, float]:
     sets = [("val", None, task.val), *((n, n, vt.val) for n, vt in task.val_tasks.items())]
     metrics: dict[str, float] = {}
     for name, val_set, examples in sets:
+        if not examples:  # record data with no held-out set (jgrpo.tasks.task): nothing to score
+            continue
         prefix = "val/" if val_set is None else f"val/{name}/"
         result = backend.evaluate(examples, step, pass_k=1, val_set=val_set)
         metrics |= {prefix + k: v for k, v in greedy_metrics(result).items()}

@@ -357,7 +357,7 @@ def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
         "rollout.prompt_bucket=64",
     ]
     for name, task in {
-        "gsm8k": ["data.task=gsm8k", f"data.train_path={data}"],
+        "gsm8k": ["data.task=gsm8k", f"data.train_path={data}", "data.val_fraction=0.5"],
         "countdown": ["data.task=countdown", "data.countdown_num_numbers=3"],
     }.items():
         run_dir = tmp_path / name

@@ -404,7 +404,7 @@ def test_tiny_model_loads_with_order_one_logits(cache):
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, 128)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
-    assert (cfg.vocab_size, cfg.max_position_embeddings) == (264, 256)
+    assert (cfg.vocab_size, cfg.max_position_embeddings) == (264, 2048)
     assert cfg.tie_word_embeddings is True
     assert cfg.rope_parameters["rope_theta"] == 10000.0
     weights = safetensors.numpy.load_file(str(folder / "model.safetensors"))

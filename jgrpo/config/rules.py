@@ -157,6 +157,12 @@ def check_data(data: DataConfig) -> None:
         f"data.min_operand: {data.min_operand} must be <= data.max_operand {data.max_operand}",
     )
     _require(data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
+    f = data.val_fraction
+    _require(f is None or 0 < f < 1, f"data.val_fraction: must lie in (0, 1), got {f}")
+    _require(
+        f is None or data.val_path is None,
+        "data.val_fraction: give data.val_path or data.val_fraction, not both",
+    )
     check_reward_names(data.reward_functions, "data.reward_functions")
 
 

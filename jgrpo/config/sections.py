@@ -160,6 +160,7 @@ class ValSetConfig:
             **given,
             train_path=None,
             val_path=self.path,
+            val_fraction=None,
             num_val_examples=data.num_val_examples
             if self.num_examples is None
             else self.num_examples,
@@ -182,7 +183,9 @@ class DataConfig:
     train_path: Optional[str] = None
     """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
     val_path: Optional[str] = None
-    """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    """Held-out set in the same formats; None = none for your data, built-in tasks' own set."""
+    val_fraction: Optional[float] = None
+    """Hold out this fraction (0 < f < 1) of the training records, seeded (None = none)."""
     dataset_config: Optional[str] = None
     """Config (subset) of hub dataset ids, e.g. `main` of openai/gsm8k; None = their only one."""
     prompt_key: str = "prompt"
@@ -203,8 +206,8 @@ class DataConfig:
     """Arithmetic: characters drawn as operators, a subset of `+-*`."""
     countdown_num_numbers: int = 3
     """Countdown: how many source numbers per puzzle."""
-    use_chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one."""
+    use_chat_template: Optional[bool] = None
+    """Wrap string prompts in the chat template (null: built-in tasks yes, prompts no, as TRL)."""
     system_prompt: Optional[str] = None
     """Optional system message for chat prompts."""
     reward_functions: tuple[RewardFunctionConfig, ...] = ()
@@ -229,6 +232,16 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+
+    @property
+    def wraps_string_prompts(self) -> bool:
+        """String prompts go through the tokenizer's chat template (when it has one):
+        data.use_chat_template, or when null, yes for the built-in tasks (an instruct model
+        answers their bare questions best in chat form) and no for `prompts` (your strings are
+        used verbatim, as TRL does; message lists always use the template)."""
+        if self.use_chat_template is not None:
+            return self.use_chat_template
+        return self.task != "prompts"
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -253,7 +253,8 @@ def check_sequence_length(hf: dict, sequence_length: Optional[int], source: Any)
     if sequence_length is not None and limit is not None and sequence_length > limit:
         raise ConfigError(
             f"rollout.prompt_bucket + rollout.max_new_tokens = {sequence_length} exceeds "
-            f"max_position_embeddings {limit} of {str(source)!r}"
+            f"max_position_embeddings {limit} of {str(source)!r}: lower rollout.max_new_tokens "
+            f"(or rollout.prompt_bucket) so that they sum to at most {limit}"
         )
 
 

@@ -7,12 +7,12 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 (`_KINDS`), differ only in prompts, references, generation and verifier: arithmetic, countdown
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
-Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
-for file data, a seeded split of the training records (at most half of them); else a synthetic
-set disjoint from every training example (dedup key: the question for arithmetic, the number
-multiset for countdown), at most half the distinct questions (fewer than 2: ConfigError); it
-depends only on the data config. Each data.val_sets entry is a val-only Task of its own
-(`task.val_tasks[name]`): the entry's records, prompts and reward terms."""
+Validation set (depends only on the data config): data.val_path (or eval_dataset), its first
+data.num_val_examples records; else, record data: round(f x records) held out by a seeded split
+of data.val_fraction f, none if unset (no training record turns validation unasked; 1 record
+trains); else a synthetic set disjoint from every training example (dedup key: the question
+for arithmetic, the number multiset for countdown), at most half the distinct questions.
+Each data.val_sets entry is a val-only Task (`task.val_tasks[name]`) with its own scoring."""
 
 from __future__ import annotations
 
@@ -164,7 +164,8 @@ class Task:
 
     @property
     def val(self) -> list[Example]:
-        """The fixed held-out examples (data.num_val_examples of them, or fewer if capped)."""
+        """The fixed held-out examples (data.num_val_examples of them, or fewer if capped;
+        none for record data without data.val_path, eval_dataset or data.val_fraction)."""
         if self._val is None:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
@@ -174,6 +175,11 @@ class Task:
         train = self._rows(train_dataset, cfg.train_path, "data.train_path", "train")
         val = self._rows(eval_dataset, cfg.val_path, "data.val_path", "val")
         if val is not None:
+            if cfg.val_fraction is not None:
+                raise ConfigError(
+                    "data.val_fraction: give eval_dataset (or data.val_path) or "
+                    "data.val_fraction, not both"
+                )
             val = val[: cfg.num_val_examples]
         if train is None:
             if cfg.task in _NEEDS_RECORDS:
@@ -187,21 +193,28 @@ class Task:
                     "/ CSV file, datasets folder or cached HF dataset id (or train_dataset= "
                     "from Python)"
                 )
+            if cfg.val_fraction is not None:
+                raise ConfigError(
+                    f"data.val_fraction: task {cfg.task!r} generates its training examples and "
+                    "holds out its own validation set; there are no records to split"
+                )
             if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
             self._check_space()
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
-        if val is None:
-            if len(train) < 2:
+        if cfg.val_fraction is not None:
+            n, f = len(train), cfg.val_fraction
+            num_val = round(f * n)
+            if not 1 <= num_val < n:
                 raise ConfigError(
-                    f"data.train_path: {cfg.train_path or 'train_dataset'!r} has {len(train)} "
-                    "record; need >= 2 to hold out a validation split (or set data.val_path)"
+                    f"data.val_fraction: {f} of {n} training records holds out {num_val}; "
+                    "need at least 1 held out and 1 to train on"
                 )
-            train_idx, val_idx = split_indices(len(train), cfg.num_val_examples)
-            val = [train[int(i)] for i in val_idx]
+            train_idx, val_idx = split_indices(n, num_val)
+            val = [train[int(i)] for i in val_idx[: cfg.num_val_examples]]
             train = Rows(train.table, train.make, train_idx)
-        return RecordStream(train, self.seed, cfg.shuffle), val
+        return RecordStream(train, self.seed, cfg.shuffle), val or []
 
     def _rows(self, dataset, path: Optional[str], key: str, split: str) -> Optional[Rows]:
         """Examples of a Python dataset (preferred) or of the file/folder/id at `path`."""
@@ -290,7 +303,7 @@ class Task:
         tools: Optional[list[dict]] = None,
         observation: Optional[str] = None,
     ) -> str:
-        """Prompt text: the chat template when data.use_chat_template and the tokenizer has one
+        """Prompt text: the chat template when data.wraps_string_prompts and the tokenizer has one
         (encode it with add_special_tokens=False), else the task's bare prompt; a chat-message
         prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`), and so do
         `tools` (JSON schemas, the template's `tools=`) and an environment's first
@@ -298,7 +311,7 @@ class Task:
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         bare = self.kind.bare_prompt(example)
         chat = tools or observation is not None
-        if bare is not None and not chat and not (self.cfg.use_chat_template and template):
+        if bare is not None and not chat and not (self.cfg.wraps_string_prompts and template):
             return bare
         if not template:
             raise ValueError(
