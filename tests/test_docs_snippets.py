@@ -237,9 +237,32 @@ def test_python_block_runs(block, tmp_path):
     run_python(block.text, page_folder(tmp_path, block.page))
 
 
+REWARD_MODEL_ID = "Skywork/Skywork-Reward-V2-Qwen3-0.6B"
+"""The reward model the docs name: a tiny random Qwen3 classifier stands in for it."""
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """HF_HOME holding the docs' reward model, as `hf download ID` leaves it (docs/reward-
+    models.md: a hub id is read from the local cache): a stand-in served on 127.0.0.1."""
+    from conftest import build_reward_model
+    from hub_server import HubServer
+
+    home = tmp_path_factory.mktemp("hf")
+    folder = build_reward_model(home / "stand-in", "qwen3")
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with HubServer({("model", REWARD_MODEL_ID): files}) as server:
+        env = {"HF_HOME": str(home), "HF_ENDPOINT": server.endpoint, "HF_HUB_OFFLINE": "0"}
+        code = f"import huggingface_hub as h; h.snapshot_download({REWARD_MODEL_ID!r})"
+        subprocess.run([sys.executable, "-c", code], env=os.environ | env, check=True)
+    return home
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("block", of_kind("train"))
-def test_python_block_trains(block, tmp_path):
+def test_python_block_trains(block, tmp_path, hub_cache, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run_python(block.text, page_folder(tmp_path, block.page))
 
 
