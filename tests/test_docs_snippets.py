@@ -174,8 +174,28 @@ def block_kind(block: Block) -> str:
     return f"unknown: a ```{block.lang or '(no language)'} block"
 
 
+CWD_IMPORTS = (
+    "product defect: `jgrpo train` (a console script: the working folder is not on sys.path) "
+    "cannot import my_rewards / my_tools / my_env from the folder it runs in; fix in the CLI, "
+    "or the docs must say PYTHONPATH=."
+)
+KNOWN_DEFECTS = {
+    ("docs/rewards.md", "my_rewards:matches_target"): CWD_IMPORTS,
+    ("docs/multi-turn.md", "my_tools:add"): CWD_IMPORTS,
+}
+"""(page, text in the block) -> why the block fails for a product defect another change fixes
+(xfail, not strict: remove the entry once it passes)."""
+
+
 def of_kind(*kinds: str) -> list:
-    return [pytest.param(b, id=b.id) for b in BLOCKS if block_kind(b) in kinds]
+    params = []
+    for b in BLOCKS:
+        if block_kind(b) not in kinds:
+            continue
+        why = [w for (page, text), w in KNOWN_DEFECTS.items() if b.page == page and text in b.text]
+        marks = [pytest.mark.xfail(reason=why[0], strict=False)] if why else []
+        params.append(pytest.param(b, id=b.id, marks=marks))
+    return params
 
 
 def test_every_block_is_run_or_marked():
@@ -267,7 +287,8 @@ def test_python_block_trains(block, tmp_path, hub_cache, monkeypatch):
 
 
 YAML_CHECK = """
-import sys
+import os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]  # as the `jgrpo` script runs
 from jgrpo.cli import _check_model_and_data
 from jgrpo.config import load_config, read_yaml, apply_overrides, from_dict, validate, Config
 snippet, bases, deep = sys.argv[1], sys.argv[2:-1], sys.argv[-1] == "deep"
@@ -294,7 +315,7 @@ def test_yaml_block_is_a_config_that_passes_the_cli_checks(block, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", YAML_CHECK, "snippet.yaml", *bases, deep],
         cwd=folder,
-        env=child_env(folder),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
