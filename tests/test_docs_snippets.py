@@ -323,6 +323,41 @@ def test_yaml_block_is_a_config_that_passes_the_cli_checks(block, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+TRAIN_SMALL = ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "grpo.val_period=0"]
+"""The test's overrides of a YAML block it trains: fewer steps and prompts, never lengths."""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "block",
+    [p for p in of_kind("yaml") if "train_path:" in p.values[0].text and not p.values[0].marker],
+)
+def test_yaml_block_with_its_data_trains(block, tmp_path):
+    """A YAML block with its data file on the page trains as `jgrpo train --config` runs it."""
+    folder = page_folder(tmp_path, block.page)
+    (folder / "snippet.yaml").write_text(block.text)
+    jgrpo = Path(sys.executable).parent / "jgrpo"
+    argv = [str(jgrpo), "train", "--config", "snippet.yaml", "--run-dir", "run", *TRAIN_SMALL]
+    proc = subprocess.run(argv, cwd=folder, env=child_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (folder / "run" / "final" / "config.json").is_file()
+
+
+def test_the_environment_example_plays(tmp_path):
+    """multi-turn.md's Game: the reset/step contract on a few replies."""
+    folder = page_folder(tmp_path, "docs/multi-turn.md")
+    code = (
+        "from my_env import Game\n"
+        "g = Game()\n"
+        "assert g.reset(secret='3', prompt='p') == 'Guess my number (1-10).'\n"
+        "assert g.step('I say 7') == ('Lower.', None, False)\n"
+        "assert g.step('no idea') == ('Say a number.', None, False)\n"
+        "assert g.step('1, then 2') == ('Higher.', None, False)\n"
+        "assert g.step('It is 3') == (None, 1.0, True)\n"
+    )
+    run_python(code, folder, timeout=60)
+
+
 # ---- bash blocks, in a fresh clone ----------------------------------------------------------
 
 
