@@ -347,6 +347,7 @@ def tiny_run_keys(tmp_path_factory):
     return {k for r in rows for k in r if k != "step"}
 
 
+@pytest.mark.slow  # a 2-step tiny run
 def test_every_logged_key_is_on_the_metrics_page(tiny_run_keys):
     documented = documented_metrics()
     patterns = [key_pattern(k) for k in documented]
