@@ -327,7 +327,6 @@ def train_one_step(
     tokens = float(rows["lengths"].sum())
     staleness = s - rows["weight_version"]
     return {
-        "loss": metrics["loss/total"],
         **metrics,
         **result.stats,
         **sync,

@@ -110,7 +110,6 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         "length/min": float(lengths.min()),
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
-        "completions/clipped_ratio": float(batch["truncated"].mean()),
         "batch/frac_reward_zero_std": dapo.frac_zero_std(batch),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
