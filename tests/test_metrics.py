@@ -17,7 +17,7 @@ import pytest
 from jgrpo import train
 from jgrpo.config import Config, ConfigError, LoggingConfig, load_config
 from jgrpo.metrics import MetricsLogger, Sink, read_metrics, truncate_metrics
-from jgrpo.plots import Series, chart_series, draw_chart, plot_run
+from jgrpo.plots import CHARTS, Series, chart_series, draw_chart, plot_run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -373,3 +373,23 @@ def test_conditional_metrics_name_the_config_key_that_turns_them_on():
             assert config_field_exists(flag), (key, flag)
         if "<" not in key:
             assert f'"{key}"' in source, key
+
+
+def test_metrics_page_lists_each_chart_with_its_keys():
+    """The page's chart table is what chart_series draws from rows holding every key listed."""
+    listed = {}
+    for line in METRICS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].endswith(".png`"):
+            listed[cells[0].strip("`").removesuffix(".png")] = re.findall(r"`([^`]+)`", cells[1])
+    assert set(listed) == set(CHARTS)
+    documented = documented_metrics()
+    keys = {k for ks in listed.values() for k in ks}
+    assert keys <= set(documented)
+    # distinct values: no two keys coincide, so each is its own curve
+    row = {"step": 1, **{k: float(i) for i, k in enumerate(sorted(keys))}}
+    drawn = {
+        name: sorted(k for s in series for k in s.keys)
+        for name, series in chart_series([row]).items()
+    }
+    assert drawn == {name: sorted(ks) for name, ks in listed.items()}
