@@ -124,7 +124,7 @@ def report_failures(failures) -> None:
     for f in failures:
         if f.fatal:
             raise UserCodeError(
-                f"{f.name} raised at {f.where} (data.reward_errors: raise):\n{f.text}"
+                f"{f.name} failed at {f.where} (data.reward_errors: raise):\n{f.text}"
             )
     for f in failures:
         if f.name in _REPORTED:
