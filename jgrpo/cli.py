@@ -355,6 +355,8 @@ def _train(cfg, args) -> int:
         history = train.run(cfg, run_dir, resume=args.resume)
     except (train.RunStopped, UserCodeError) as e:  # UserCodeError: data.reward_errors: raise
         print(f"jgrpo: stopped: {e}", file=sys.stderr)
+        if isinstance(e, UserCodeError) and distributed.is_multiprocess():
+            distributed.abort(1)  # one host's rows failed: its peers wait on it in a collective
         return 1
     except BaseException:
         if distributed.is_multiprocess():  # peers may wait on this process: do not linger

@@ -156,7 +156,7 @@ def test_report_failures_shows_each_name_once_and_raise_stops(capsys):
     assert err.count("('once_b') failed at sample 0") == 1
     assert "E: z" not in err and "counted in c/a" in err
     fatal = Failure("data.reward_functions[0] ('stop')", "sample 1", "Traceback\nE: w", "", True)
-    with pytest.raises(UserCodeError, match=r"\('stop'\) raised at sample 1") as e:
+    with pytest.raises(UserCodeError, match=r"\('stop'\) failed at sample 1") as e:
         report_failures([other, fatal])
     assert str(e.value).endswith("Traceback\nE: w")
 
@@ -254,7 +254,7 @@ def test_cli_reward_errors_raise_stops_with_the_traceback(tmp_path, monkeypatch,
     code, err, run_dir = _cli_run(tmp_path, monkeypatch, capsys, "data.reward_errors=raise")
     assert code == 1
     assert err.startswith(
-        "jgrpo: stopped: data.reward_functions[0] ('always_fails') raised at sample 0"
+        "jgrpo: stopped: data.reward_functions[0] ('always_fails') failed at sample 0"
     ), err
     assert "(data.reward_errors: raise)" in err
     assert err.rstrip().endswith("ZeroDivisionError: float division by zero")

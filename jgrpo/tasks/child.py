@@ -124,7 +124,7 @@ def report_failures(failures) -> None:
     for f in failures:
         if f.fatal:
             raise UserCodeError(
-                f"{f.name} raised at {f.where} (data.reward_errors: raise):\n{f.text}"
+                f"{f.name} failed at {f.where} (data.reward_errors: raise):\n{f.text}"
             )
     for f in failures:
         if f.name in _REPORTED:
@@ -184,8 +184,8 @@ def search_folders() -> list[str]:
 def add_user_folders(config_path: str | os.PathLike | None = None) -> None:
     """The CLI's start: `module:function` may name a module in the working folder or next to
     the config file, as `python script.py` finds one next to its script. Both folders go at the
-    end of sys.path (they never shadow an installed package) and of PYTHONPATH, which the
-    child processes and Ray workers inherit."""
+    end of sys.path (the trainer and its child processes: they never shadow an installed
+    package) and of PYTHONPATH (what Ray workers get, `ray_backend._driver_paths`)."""
     folders = [os.getcwd()]
     if config_path is not None:
         folders.append(str(Path(config_path).resolve().parent))
