@@ -22,13 +22,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jgrpo.models.preflight import FAMILIES as _FAMILIES
+from jgrpo.models.preflight import unsupported_model_type
 from jgrpo.models.transformer import RopeScaling, Transformer, TransformerConfig
 
-_FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -84,9 +81,7 @@ def config_from_hf(
     `options` are the remaining execution fields (remat, logprob_chunk_size, kernels)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
-        raise ModelFormatError(
-            f"model_type {family!r} is not supported (allowed: {', '.join(_FAMILIES)})"
-        )
+        raise ModelFormatError(unsupported_model_type(family))
     if hf.get("mlp_bias"):
         raise ModelFormatError("mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):

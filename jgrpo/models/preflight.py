@@ -3,7 +3,8 @@
 Owns :func:`check_hf_folder`, called by :func:`jgrpo.models.sources.check_model_path` before
 any model work starts. It reads only small things, imports neither jax nor transformers, and
 raises :class:`ConfigError` with one line naming the file and what is wrong:
-- config.json: UTF-8 JSON, a mapping, positive integer sizes, heads that divide;
+- config.json: UTF-8 JSON, a mapping, a supported model_type (checked first), positive
+  integer sizes, heads that divide;
 - weights: model.safetensors or the index and every shard it names; each header parses, its
   dtypes are ones the loader reads, its data offsets fit the file (a truncated download), and
   every tensor the decoder needs has the shape config.json implies (:func:`hf_tensor_shapes`);
@@ -36,6 +37,12 @@ _SMALL_JSON = (
     "generation_config.json",
 )
 """JSON files of a model folder that must parse as objects when present."""
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""config.json model_type -> the HF causal-LM class of every family the decoder implements."""
 
 
 def _fail(path: Path, what: str) -> None:
@@ -53,6 +60,8 @@ def read_hf_config(folder: Path) -> dict:
     hf = read_json_file(path)
     if not isinstance(hf, dict):
         _fail(path, f"must hold a JSON object, got {type(hf).__name__}")
+    if hf.get("model_type") not in FAMILIES:  # first: other families name their sizes otherwise
+        _fail(path, unsupported_model_type(hf.get("model_type")))
     for key in (
         "vocab_size",
         "hidden_size",
@@ -78,6 +87,11 @@ def read_hf_config(folder: Path) -> dict:
     if not hf.get("head_dim") and hf["hidden_size"] % heads:
         _fail(path, f"hidden_size {hf['hidden_size']} is not a multiple of num_attention_heads")
     return hf
+
+
+def unsupported_model_type(family) -> str:
+    """The one-line refusal of a config.json `model_type` outside FAMILIES."""
+    return f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})"
 
 
 def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
