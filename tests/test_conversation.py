@@ -165,6 +165,13 @@ def test_hermes_tool_calls():
     assert turn.message()["tool_calls"][1] == call("f", x=2)
     bad = parse_tool_calls("<tool_call>{oops</tool_call><tool_call>[1]</tool_call>", "hermes")
     assert bad.calls == () and len(bad.errors) == 2 and "not valid JSON" in bad.errors[0]
+    mixed = parse_tool_calls(
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        "hermes",
+    )  # every block in the order of the text, the malformed one in its place
+    assert mixed.blocks[0] == ToolCall("a", {}) and mixed.blocks[2] == ToolCall("b", {})
+    assert mixed.blocks[1].startswith("error: the tool call is not valid JSON")
     plain = parse_tool_calls("  42 ", "hermes")
     assert (
         plain.content == "42"

@@ -171,6 +171,38 @@ def test_tool_calls_run_and_their_replies_join_the_row(monkeypatch, tok):
     assert counts["tool_responses_cut"] == 1 and counts["reply_tokens"] == len(reply)
 
 
+def test_tool_message_i_answers_call_i_when_a_malformed_call_sits_between(monkeypatch, tok):
+    """A turn mixing valid calls with a malformed one: each answer stays at its call's place
+    (the error is not moved first, where the model would read it as `lookup`'s answer)."""
+    settings = TurnSettings(max_turns=2, tools=True)
+    runner = FakeRunner(answer=lambda name, args: (OK, f"{name}={args['key']}"))
+    calls = [
+        '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>',
+        "<tool_call>{oops</tool_call>",
+        '<tool_call>{"name": "fetch", "arguments": {"key": "b"}}</tool_call>',
+    ]
+    texts = {1: "".join(calls) + "<|im_end|>", 2: "done<|im_end|>"}
+    conv, _, chat = run_script(monkeypatch, tok, texts, settings, n=256, runner=runner)
+    tools = conv.messages[0][1:4]
+    assert [(m["name"], m["content"][:6]) for m in tools] == [
+        ("lookup", "lookup"),
+        ("", "error:"),
+        ("fetch", "fetch="),
+    ]
+    assert tools[1]["content"].startswith("error: the tool call is not valid JSON")
+    assert [m["role"] for m in conv.messages[0]] == [
+        "assistant",
+        "tool",
+        "tool",
+        "tool",
+        "assistant",
+    ]
+    gen1 = tok(texts[1])["input_ids"]
+    reply = chat.reply_ids(tools)
+    assert conv.tokens[0, len(gen1) : len(gen1) + len(reply)].tolist() == reply
+    assert conv.counts["tool_calls"][0] == 3 and conv.counts["tool_errors"][0] == 1
+
+
 def test_an_environment_that_never_says_done_is_ended_by_the_budget(monkeypatch, tok):
     settings = TurnSettings(max_turns=50, environment=True)
     runner = FakeRunner(step=lambda row, text: (OK, ("again", 1.0, False)))

@@ -166,16 +166,19 @@ def run_turns(
                 truncated[b], alive[b] = True, False
                 continue
             last = turn == settings.max_turns
-            if parsed.calls or parsed.errors:
-                counts["tool_calls"][b] += len(parsed.calls) + len(parsed.errors)
+            if parsed.blocks:
+                counts["tool_calls"][b] += len(parsed.blocks)
                 counts["tool_errors"][b] += len(parsed.errors)
                 if last:
                     alive[b] = False
                     continue
-                pending[b] = [tool_message("", e) for e in parsed.errors]
-                for call in parsed.calls:
-                    pending[b].append(tool_message(call.name, ""))
-                    ops.append(("call", int(b), (call.name, call.arguments), len(pending[b]) - 1))
+                pending[b] = []  # tool message i answers block i: errors stay in place
+                for block in parsed.blocks:
+                    if isinstance(block, str):
+                        pending[b].append(tool_message("", block))
+                        continue
+                    pending[b].append(tool_message(block.name, ""))
+                    ops.append(("call", int(b), (block.name, block.arguments), len(pending[b]) - 1))
             elif settings.environment and environment_ok[b]:
                 pending[b] = []
                 ops.append(("step", int(b), text, None))
