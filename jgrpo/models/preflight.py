@@ -12,8 +12,7 @@ raises :class:`ConfigError` with one line naming the file and what is wrong:
   token, and every id it gives is below config.json's vocab_size; the other small JSON files
   (`_SMALL_JSON`: tokenizer_config, special_tokens_map, generation_config, ...) are objects;
 - length: rollout.prompt_bucket + rollout.max_new_tokens fits max_position_embeddings.
-The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
-loader re-checks every shape when it copies the weights."""
+Tensor names and shapes are the HF side of ``hf._layer_map``; the loader re-checks them."""
 
 from __future__ import annotations
 
