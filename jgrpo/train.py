@@ -31,6 +31,7 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.config.rules import needs_chat_turns
 from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger
 from jgrpo.models import load_policy, policy_folder
@@ -80,7 +81,8 @@ class Trainer:
 
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
+    check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
     sharding.make_rules(cfg.mesh)
     step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:

@@ -519,6 +519,14 @@ def check_val_set(vs: ValSetConfig, data: DataConfig) -> None:
         )
 
 
+def needs_chat_turns(cfg: Config) -> bool:
+    """The rollouts are conversations (several turns, tools or an environment): the model's
+    chat template must end a turn with a token and give reply ids (checked before a load)."""
+    data = cfg.data
+    tools = bool(data.tools) or data.environment is not None or data.task == "calculator"
+    return cfg.rollout.max_turns > 1 or tools
+
+
 def check_turns(cfg: Config) -> None:
     """Multi-turn rollouts (docs/multi-turn.md): what continues a turn, the reply cap, the
     tool and environment names."""

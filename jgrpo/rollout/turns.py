@@ -2,17 +2,17 @@
 
 A row is [left-padded prompt, P][completion region, N = rollout.max_new_tokens][pad]; the region
 holds gen_1 ++ reply_1 ++ gen_2 ++ ...: gen_t the sampler's ids of turn t, stop token included
-(generated: loss mask 1, their logprobs kept), reply_t the chat template's suffix for the tool
-results or observation that answered it (mask 0, attended; jgrpo.rollout.conversation). A row
-ends when a turn makes no tool call and the environment (if any) is done or absent, after
-rollout.max_turns turns, or when the region runs out (truncated: a turn reached its end, or the
-next reply leaves no room for one generated token). Turn t is one `sampling.generate` over the
-running rows with the whole sequence so far as prompt (re-prefill), key `key` for t = 1 (so one
-turn is exactly the single-turn rollout) and fold_in(key, t) after, each row keyed by its global
-index. Compiled shapes stay bounded: running rows are padded (a repeated row draws identically)
-to a power of two (at most B), contexts to a multiple of rollout.prompt_bucket, and a turn's
-max_new_tokens is the largest remaining budget rounded up to one; rows are cut at their own
-budget on the host. Tool calls and environment steps of a turn run as one batch of ops."""
+(mask 1, logprobs kept; a turn also stops at the template's end-of-turn token, ChatFormat.stop_ids),
+reply_t the chat template's suffix for the tool results or observation answering it (mask 0;
+jgrpo.rollout.conversation). A row ends when a turn makes no tool call and the environment (if
+any) is done or absent, after rollout.max_turns turns, or when the region runs out (truncated: a
+turn reached its end, or the next reply leaves no room for one generated token). Turn t is one
+`sampling.generate` over the running rows with the whole sequence so far as prompt (re-prefill),
+key `key` for t = 1 (so one turn is the single-turn rollout) and fold_in(key, t) after, each row
+keyed by its global index. Compiled shapes stay bounded: running rows are padded (a repeated row
+draws identically) to a power of two (at most B), contexts to a multiple of prompt_bucket, a
+turn's max_new_tokens is the largest remaining budget rounded up to one; rows are cut at their
+own budget on the host. Tool calls and environment steps of a turn run as one batch of ops."""
 
 from __future__ import annotations
 
@@ -127,6 +127,9 @@ def run_turns(
     `environment_ok` [B] marks the resets that succeeded) are needed once a reply can happen
     (settings.tools / settings.environment)."""
     b_total, n = len(prompts), params.max_new_tokens
+    if chat is not None:  # a turn also ends at the template's end-of-turn token
+        stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_ids)))
+        params = dataclasses.replace(params, stop_token_ids=stops)
     region: list[list[int]] = [[] for _ in range(b_total)]
     lps: list[list[float]] = [[] for _ in range(b_total)]
     gen_bits: list[list[bool]] = [[] for _ in range(b_total)]
@@ -169,16 +172,19 @@ def run_turns(
                 truncated[b], alive[b] = True, False
                 continue
             last = turn == settings.max_turns
-            if parsed.calls or parsed.errors:
-                counts["tool_calls"][b] += len(parsed.calls) + len(parsed.errors)
+            if parsed.blocks:
+                counts["tool_calls"][b] += len(parsed.blocks)
                 counts["tool_errors"][b] += len(parsed.errors)
                 if last:
                     alive[b] = False
                     continue
-                pending[b] = [tool_message("", e) for e in parsed.errors]
-                for call in parsed.calls:
-                    pending[b].append(tool_message(call.name, ""))
-                    ops.append(("call", int(b), (call.name, call.arguments), len(pending[b]) - 1))
+                pending[b] = []  # tool message i answers block i: errors stay in place
+                for block in parsed.blocks:
+                    if isinstance(block, str):
+                        pending[b].append(tool_message("", block))
+                        continue
+                    pending[b].append(tool_message(block.name, ""))
+                    ops.append(("call", int(b), (block.name, block.arguments), len(pending[b]) - 1))
             elif settings.environment and environment_ok[b]:
                 pending[b] = []
                 ops.append(("step", int(b), text, None))
