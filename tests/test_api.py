@@ -576,6 +576,7 @@ def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
     trainer = _trl_trainer(tmp_path)
     result = trainer.train()
     assert [r["step"] for r in result.metrics] == [1, 2]
+    assert result.history == []  # no eval_dataset: nothing held out, no validation
     assert all(r["reward/_length/mean"] is not None for r in result.metrics)
     assert (result.model_dir / "model.safetensors").is_file()
     assert result.run_dir == tmp_path / "trl"
