@@ -67,6 +67,11 @@ def sampled_metrics(result: RolloutResult, num_examples: int, n: int, ks) -> dic
     return out
 
 
+def has_held_out(task) -> bool:
+    """Some set has examples (record data without a val source has none: no validation)."""
+    return bool(task.val) or any(vt.val for vt in task.val_tasks.values())
+
+
 def validate_all(cfg: Config, backend, task, step: int) -> dict[str, float]:
     """Every set's metrics (module docstring) with the backend's current weights."""
     g = cfg.grpo

@@ -266,7 +266,8 @@ def run(
             data_states[s], examples = t.draws.draw(t.task.train, s, g.gen_prompts_per_batch)
             t.backend.request(s, examples)
         t.draws.done(t.task.train)
-        if g.val_at_start and t.start_step == 0:
+        held_out = evaluation.has_held_out(t.task)
+        if g.val_at_start and t.start_step == 0 and held_out:
             val = validate(t, 0)
             history.append({"step": 0, **val})
             logger.log(0, val)
@@ -274,7 +275,7 @@ def run(
             metrics = train_one_step(t, s, data_states, logger)
             done = s + 1
             periodic = g.val_period and done % g.val_period == 0
-            if periodic or (g.val_at_end and done == g.max_num_steps):
+            if held_out and (periodic or (g.val_at_end and done == g.max_num_steps)):
                 val = validate(t, done)
                 history.append({"step": done, **val})
                 metrics |= val

@@ -468,6 +468,10 @@ def test_trl_shaped_call_resolves_to_the_jgrpo_config_written_by_hand(tmp_path):
     plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(), train_dataset=[{}])
     assert plain.config == build_config({"data": {"task": "prompts"}}, reward_funcs=_zero)
     assert plain.config.data.wraps_string_prompts is False  # TRL: string prompts verbatim
+    # only a dataset and a reward: task prompts on the default model, lengths that fit it
+    bare = jgrpo.GRPOTrainer(train_dataset=[{"prompt": "hi"}], reward_funcs=_zero).config
+    assert bare == plain.config and bare.model.path == "builtin:tiny-qwen2"
+    check_model_path(bare.model.path, bare.rollout.prompt_bucket + bare.rollout.max_new_tokens)
 
 
 @pytest.mark.parametrize(
@@ -576,6 +580,7 @@ def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
     trainer = _trl_trainer(tmp_path)
     result = trainer.train()
     assert [r["step"] for r in result.metrics] == [1, 2]
+    assert result.history == []  # no eval_dataset: nothing held out, no validation
     assert all(r["reward/_length/mean"] is not None for r in result.metrics)
     assert (result.model_dir / "model.safetensors").is_file()
     assert result.run_dir == tmp_path / "trl"

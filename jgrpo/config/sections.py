@@ -238,10 +238,11 @@ class DataConfig:
         """String prompts go through the tokenizer's chat template (when it has one):
         data.use_chat_template, or when null, yes for the built-in tasks (an instruct model
         answers their bare questions best in chat form) and no for `prompts` (your strings are
-        used verbatim, as TRL does; message lists always use the template)."""
+        used verbatim, as TRL does; message lists always use the template) unless tools or an
+        environment make the rollout a conversation."""
         if self.use_chat_template is not None:
             return self.use_chat_template
-        return self.task != "prompts"
+        return self.task != "prompts" or bool(self.tools) or self.environment is not None
 
 
 @dataclasses.dataclass(**_FROZEN)
