@@ -25,7 +25,13 @@ import numpy as np
 from flax import nnx
 
 from jgrpo.models import lora
-from jgrpo.models.hf import ModelFormatError, _layer_map, read_safetensors, write_safetensors
+from jgrpo.models.hf import (
+    ModelFormatError,
+    _layer_map,
+    model_class,
+    read_safetensors,
+    write_safetensors,
+)
 from jgrpo.models.transformer import Transformer
 
 _PEFT_PREFIX = "base_model.model.model.layers"
@@ -34,7 +40,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def _graphdef(cfg):
-    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    return nnx.graphdef(nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0))))
 
 
 def attach_lora(model: Transformer, spec: lora.LoRASpec, key) -> Transformer:

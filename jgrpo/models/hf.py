@@ -22,12 +22,16 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jgrpo.models import moe_hf
+from jgrpo.models.moe import MoESpec
+from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 from jgrpo.models.transformer import RopeScaling, Transformer, TransformerConfig
 
 _FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **moe_hf.MOE_FAMILIES,
 }
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -96,7 +100,16 @@ def config_from_hf(
         raise ModelFormatError(f"hidden_act {act!r} is not supported (allowed: silu)")
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
-    return TransformerConfig(
+    cls, extra = TransformerConfig, {}
+    if family in moe_hf.MOE_FAMILIES:  # the MoE decoder's fields (jgrpo.models.moe_hf)
+        try:
+            spec = MoESpec(**moe_hf.moe_spec_fields(hf))
+        except ValueError as e:
+            raise ModelFormatError(str(e)) from None
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rotary = int(head_dim * moe_hf.partial_rotary_factor(hf))
+        cls, extra = MoETransformerConfig, {"moe": spec, "rotary_dim": rotary}
+    return cls(
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -110,13 +123,14 @@ def config_from_hf(
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         dtype=dtype,
         param_dtype=param_dtype or dtype,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+        **extra,
         **options,
     )
 
@@ -148,6 +162,10 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
     }
     if cfg.family == "llama":
         hf["attention_bias"] = cfg.attention_bias
+    if isinstance(cfg, MoETransformerConfig):
+        hf.update(moe_hf.moe_config_to_hf(cfg))
+        if cfg.family == "glm4_moe":  # transformers' default when absent is 0.5
+            rope["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
     return hf
 
 
@@ -241,10 +259,13 @@ def _layer_map(cfg: TransformerConfig):
             lambda w: w.T.reshape(n, h, d),
             lambda w: w.reshape(n * h, d).T,
         ),
-        ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
     ]
+    if not isinstance(cfg, MoETransformerConfig):  # MoE MLPs: moe_hf.moe_weights_*
+        rows += [
+            ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+        ]
     if cfg.attention_bias:
         rows += [
             ("q_bias", "self_attn.q_proj.bias", lambda w: w.reshape(n, h), lambda w: w.reshape(-1)),
@@ -290,6 +311,11 @@ def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="che
             ]
         )
         put(model.layers[ours], stacked)
+    if isinstance(cfg, MoETransformerConfig):
+        groups = moe_hf.moe_weights_from_hf(cfg, lambda n: _take(tensors, n, folder), tensors)
+        for group, arrays in groups.items():
+            for name, value in arrays.items():
+                put(getattr(model, group)[name], value)
 
 
 def export_weights(model: Transformer) -> dict[str, np.ndarray]:
@@ -304,6 +330,10 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
         stacked = host(model.layers[ours])
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stacked[i]))
+    if isinstance(cfg, MoETransformerConfig):
+        groups = {g: getattr(model, g) or {} for g in ("dense_mlp", "moe")}
+        arrays = {g: {n: host(p) for n, p in ps.items()} for g, ps in groups.items()}
+        out.update(moe_hf.moe_weights_to_hf(cfg, arrays["dense_mlp"], arrays["moe"]))
     out["model.norm.weight"] = host(model.final_norm)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(host(model.lm_head).T)
@@ -335,13 +365,18 @@ def model_from_tensors(cfg: TransformerConfig, tensors: dict, folder) -> Transfo
     """A Transformer of `cfg` holding the HF-named `tensors` read from `folder` (no random
     init: the abstract model's parameters become zeros, then the tensors overwrite them).
     Tensors the decoder does not hold (a reward model's `score.weight`) are left unread."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             abstract = var.get_raw_value()
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
     load_weights(model, tensors, folder)
     return model
+
+
+def model_class(cfg: TransformerConfig) -> type[Transformer]:
+    """The decoder class of `cfg`: MoETransformer for the MoE families, else Transformer."""
+    return MoETransformer if isinstance(cfg, MoETransformerConfig) else Transformer
 
 
 MAX_SHARD_BYTES = 5 * 2**30
