@@ -47,6 +47,7 @@ def attach_lora(model: Transformer, spec: lora.LoRASpec, key) -> Transformer:
     """`model` (no adapters) with fresh adapters of `spec`; its base arrays are shared."""
     if model.cfg.lora is not None:
         raise ValueError("attach_lora: the model already has LoRA adapters")
+    lora.check_targets(model.cfg, spec)
     cfg = dataclasses.replace(model.cfg, lora=spec)
     base = nnx.to_pure_dict(nnx.state(model))
     return nnx.merge(_graphdef(cfg), base, {"lora": lora.init_adapters(cfg, key)})

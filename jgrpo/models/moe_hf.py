@@ -49,6 +49,10 @@ def check_moe_config(hf: dict) -> None:
     """ValueError (one line naming the key and what is supported) for an MoE variant this
     decoder does not implement."""
     family = hf["model_type"]
+    for key in ("moe_intermediate_size", "num_experts_per_tok"):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{family} needs a positive integer {key}, got {value!r}")
     if family == "qwen3_moe" and hf.get("attention_bias"):
         raise ValueError("qwen3_moe with attention_bias=true is not supported (o_proj bias)")
     if hf.get("use_sliding_window"):

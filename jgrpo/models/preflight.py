@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jgrpo.config import ConfigError, read_json
+from jgrpo.models import moe_hf
 
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 """safetensors dtypes the loader (hf.read_safetensors) reads, and their sizes in bytes."""
@@ -110,10 +111,21 @@ def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
             "self_attn.k_proj.bias": (k * h,),
             "self_attn.v_proj.bias": (k * h,),
         }
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe") or hf.get("use_qk_norm"):
         layer |= {"self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (h,)}
+    moe = family in moe_hf.MOE_FAMILIES
+    if moe:  # the MLP tensors differ per layer (dense MLP or MoE block)
+        try:
+            moe_hf.check_moe_config(hf)
+        except ValueError as e:
+            raise ConfigError(f"model.path: config.json: {e}") from None
+        layer = {name: s for name, s in layer.items() if not name.startswith("mlp.")}
     for i in range(hf["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        if moe:
+            shapes |= {
+                f"model.layers.{i}.{n}": s for n, s in moe_hf.moe_layer_shapes(hf, i).items()
+            }
     return shapes
 
 
