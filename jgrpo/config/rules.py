@@ -106,6 +106,7 @@ def validate(cfg: Config) -> Config:
     check_rollout(cfg)
     check_optim(cfg.optim)
     check_lora(cfg.model.lora)
+    check_moe(cfg.model.moe)
     check_mesh(cfg.mesh)
     check_dapo(cfg)
     check_evaluation(cfg)
@@ -408,6 +409,15 @@ def check_optim(opt: OptimConfig) -> None:
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",
     )
+
+
+def check_moe(moe) -> None:
+    """model.moe: non-negative router loss weights; router replay is not implemented yet."""
+    aux = moe.router_aux_loss_coef
+    _require(aux is None or aux >= 0, f"model.moe.router_aux_loss_coef: must be >= 0, got {aux}")
+    z = moe.router_z_loss_coef
+    _require(z >= 0, f"model.moe.router_z_loss_coef: must be >= 0, got {z}")
+    _require(not moe.router_replay, "model.moe.router_replay: true is not supported yet")
 
 
 def check_lora(lora: LoRAConfig) -> None:

@@ -47,6 +47,18 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(**_FROZEN)
+class MoEConfig:
+    """Mixture-of-Experts models (qwen3_moe, glm4_moe; docs/moe.md); ignored by dense ones."""
+
+    router_aux_loss_coef: Optional[float] = None
+    """Load-balancing loss weight (None = the HF config's router_aux_loss_coef, else 0)."""
+    router_z_loss_coef: float = 0.0
+    """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
+    router_replay: bool = False
+    """Train on the sampler's expert choice per token (reserved: not implemented yet)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
 class ModelConfig:
     """The policy model (and its reference copy)."""
 
@@ -64,6 +76,8 @@ class ModelConfig:
     """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
+    moe: MoEConfig = MoEConfig()
+    """Router losses of Mixture-of-Experts models."""
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""

@@ -22,6 +22,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jgrpo.models import moe_hf
+from jgrpo.models.moe import MoESpec
+from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 from jgrpo.models.preflight import FAMILIES as _FAMILIES
 from jgrpo.models.preflight import (
     IGNORED_TENSOR_SUFFIXES,
@@ -93,7 +96,16 @@ def config_from_hf(
         raise ModelFormatError(f"hidden_act {act!r} is not supported (allowed: silu)")
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
-    return TransformerConfig(
+    cls, extra = TransformerConfig, {}
+    if family in moe_hf.MOE_FAMILIES:  # the MoE decoder's fields (jgrpo.models.moe_hf)
+        try:
+            spec = MoESpec(**moe_hf.moe_spec_fields(hf))
+        except ValueError as e:
+            raise ModelFormatError(str(e)) from None
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rotary = int(head_dim * moe_hf.partial_rotary_factor(hf))
+        cls, extra = MoETransformerConfig, {"moe": spec, "rotary_dim": rotary}
+    return cls(
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -107,13 +119,14 @@ def config_from_hf(
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **bias_flags(hf),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         dtype=dtype,
         param_dtype=param_dtype or dtype,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+        **extra,
         **options,
     )
 
@@ -147,6 +160,10 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
         hf["attention_bias"] = cfg.attention_bias
     if cfg.family == "llama":
         hf["mlp_bias"] = cfg.mlp_bias
+    if isinstance(cfg, MoETransformerConfig):
+        hf.update(moe_hf.moe_config_to_hf(cfg))
+        if cfg.family == "glm4_moe":  # transformers' default when absent is 0.5
+            rope["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
     ours = {k: getattr(cfg, k) for k in ("attention_bias", "o_bias", "mlp_bias")}
     if bias_flags(hf) != ours:  # transformers would build other projections
         raise ModelFormatError(f"{cfg.family} has no config.json flags for the biases {ours}")
@@ -243,10 +260,13 @@ def _layer_map(cfg: TransformerConfig):
             lambda w: w.T.reshape(n, h, d),
             lambda w: w.reshape(n * h, d).T,
         ),
-        ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
     ]
+    if not isinstance(cfg, MoETransformerConfig):  # MoE MLPs: moe_hf.moe_weights_*
+        rows += [
+            ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+        ]
     if cfg.attention_bias:
         rows += [
             ("q_bias", "self_attn.q_proj.bias", lambda w: w.reshape(n, h), lambda w: w.reshape(-1)),
@@ -312,6 +332,16 @@ def load_weights(
             ]
         )
         put(model.layers[ours], stacked)
+    if isinstance(cfg, MoETransformerConfig):
+
+        def take(name):
+            unread.discard(name)
+            return _take(tensors, name, folder)
+
+        groups = moe_hf.moe_weights_from_hf(cfg, take, tensors)
+        for group, arrays in groups.items():
+            for name, value in arrays.items():
+                put(getattr(model, group)[name], value)
     unread -= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     unread -= {
         f"model.layers.{i}.{row[1]}" for row in _layer_map(cfg) for i in range(cfg.num_layers)
@@ -338,6 +368,10 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
         stacked = host(model.layers[ours])
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stacked[i]))
+    if isinstance(cfg, MoETransformerConfig):
+        groups = {g: getattr(model, g) or {} for g in ("dense_mlp", "moe")}
+        arrays = {g: {n: host(p) for n, p in ps.items()} for g, ps in groups.items()}
+        out.update(moe_hf.moe_weights_to_hf(cfg, arrays["dense_mlp"], arrays["moe"]))
     out["model.norm.weight"] = host(model.final_norm)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(host(model.lm_head).T)
@@ -372,13 +406,18 @@ def model_from_tensors(
     init: the abstract model's parameters become zeros, then the tensors overwrite them).
     `also_read`: tensors the caller reads itself (a reward model's `score.weight`); any other
     tensor the decoder does not hold is an error (`load_weights`)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             abstract = var.get_raw_value()
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
     load_weights(model, tensors, folder, also_read)
     return model
+
+
+def model_class(cfg: TransformerConfig) -> type[Transformer]:
+    """The decoder class of `cfg`: MoETransformer for the MoE families, else Transformer."""
+    return MoETransformer if isinstance(cfg, MoETransformerConfig) else Transformer
 
 
 MAX_SHARD_BYTES = 5 * 2**30

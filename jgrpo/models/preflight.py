@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from jgrpo.config import ConfigError, read_json
+from jgrpo.models import moe_hf
 
 _ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 """safetensors dtypes the loader (hf.read_safetensors) reads, and their sizes in bytes."""
@@ -40,6 +41,7 @@ FAMILIES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **moe_hf.MOE_FAMILIES,
 }
 """config.json model_type -> the HF causal-LM class of every family the decoder implements."""
 
@@ -98,7 +100,9 @@ def bias_flags(hf: dict) -> dict[str, bool]:
     (`attention_bias`), o (`o_bias`), gate/up/down (`mlp_bias`); TransformerConfig fields."""
     if hf.get("model_type") == "qwen2":  # Qwen2Config has no bias flags: q/k/v always, no o
         return {"attention_bias": True, "o_bias": False, "mlp_bias": False}
-    attention = bool(hf.get("attention_bias", False))  # Llama, Qwen3: q/k/v and o
+    attention = bool(hf.get("attention_bias", False))  # Llama, Qwen3(-MoE): q/k/v and o
+    if hf.get("model_type") == "glm4_moe":  # GLM-4.5: q/k/v only, never o
+        return {"attention_bias": attention, "o_bias": False, "mlp_bias": False}
     mlp = hf.get("model_type") == "llama" and bool(hf.get("mlp_bias", False))
     return {"attention_bias": attention, "o_bias": attention, "mlp_bias": mlp}
 
@@ -142,10 +146,21 @@ def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (d,)
     if biases["mlp_bias"]:
         layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe") or hf.get("use_qk_norm"):
         layer |= {"self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (h,)}
+    moe = family in moe_hf.MOE_FAMILIES
+    if moe:  # the MLP tensors differ per layer (dense MLP or MoE block)
+        try:
+            moe_hf.check_moe_config(hf)
+        except ValueError as e:
+            raise ConfigError(f"model.path: config.json: {e}") from None
+        layer = {name: s for name, s in layer.items() if not name.startswith("mlp.")}
     for i in range(hf["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        if moe:
+            shapes |= {
+                f"model.layers.{i}.{n}": s for n, s in moe_hf.moe_layer_shapes(hf, i).items()
+            }
     return shapes
 
 

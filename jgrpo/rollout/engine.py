@@ -442,9 +442,9 @@ def model_graphdef(model_cfg):
     """The NNX graph of a model config, without allocating parameters."""
     from flax import nnx
 
-    from jgrpo.models import Transformer
+    from jgrpo.models import model_class
 
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: model_class(model_cfg)(model_cfg, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)[0]
 
 
