@@ -533,7 +533,7 @@ def test_unsupported_model_type_exits_2_before_loading(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         f"jgrpo: error: model.path: {str(folder / 'config.json')!r} model_type 'gpt2' is not "
-        "supported (supported: llama, qwen2, qwen3)"
+        "supported (supported: llama, qwen2, qwen3, qwen3_moe, glm4_moe)"
     ]
     assert not (tmp_path / "run").exists()
     from jgrpo.models.preflight import check_reward_model_folder
@@ -542,5 +542,5 @@ def test_unsupported_model_type_exits_2_before_loading(tmp_path):
         check_reward_model_folder(folder, "data.reward_functions[0]", None)
     assert str(e.value) == (
         f"data.reward_functions[0].model: {str(folder / 'config.json')!r} model_type 'gpt2' is "
-        "not supported (supported: llama, qwen2, qwen3)"
+        "not supported (supported: llama, qwen2, qwen3, qwen3_moe, glm4_moe)"
     )
