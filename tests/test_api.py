@@ -584,3 +584,15 @@ def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
     assert all(r["reward/_length/mean"] is not None for r in result.metrics)
     assert (result.model_dir / "model.safetensors").is_file()
     assert result.run_dir == tmp_path / "trl"
+
+
+def test_eval_without_a_held_out_set_is_one_line(tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    argv = ["eval", "--config", TINY, "data.task=gsm8k", f"data.train_path={data}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "data.val_path: nothing to evaluate; give data.val_path, data.val_fraction or data.val_sets"
+    )
+    assert len(err.splitlines()) == 1
