@@ -95,9 +95,13 @@ class GRPOConfig:
                     f"GRPOConfig: {name} is not a TRL argument jgrpo supports (docs/trl.md "
                     "lists those it maps; give jgrpo keys as GRPOTrainer(overrides=[...]))"
                 )
-        self.given = dict(kwargs)
+        object.__setattr__(self, "given", dict(kwargs))
         """The arguments passed, by TRL name."""
         jgrpo_keys(self, num_minibatches=1)  # every value error now, where the user wrote it
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`args.max_steps = 10` after construction: checked like a keyword argument."""
+        self.__init__(**{**self.given, name: value})
 
     def __getattr__(self, name: str) -> Any:
         if name in SUPPORTED:

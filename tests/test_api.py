@@ -465,7 +465,13 @@ def test_trl_shaped_call_resolves_to_the_jgrpo_config_written_by_hand(tmp_path):
     assert trainer.config == build_config(HAND)
     assert trainer.run_dir == tmp_path / "trl"
     # an argument left out keeps jgrpo's default, not TRL's (max_completion_length 512, ...)
-    plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(), train_dataset=[{}])
+    args = jgrpo.GRPOConfig()
+    args.max_completion_length = 8  # set after construction, as TRL scripts do: checked too
+    assert args.given == {"max_completion_length": 8} and args.top_p is None
+    with pytest.raises(ConfigError, match=r"^GRPOConfig: logging_steps is not supported"):
+        args.logging_steps = 5
+    args = jgrpo.GRPOConfig()
+    plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=args, train_dataset=[{}])
     assert plain.config == build_config({"data": {"task": "prompts"}}, reward_funcs=_zero)
     assert plain.config.data.wraps_string_prompts is False  # TRL: string prompts verbatim
     # only a dataset and a reward: task prompts on the default model, lengths that fit it
