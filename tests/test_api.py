@@ -512,6 +512,13 @@ def test_each_trl_name_maps_to_its_jgrpo_key(trl, key, value):
     assert functools.reduce(getattr, key.split("."), cfg) == value
 
 
+def test_trl_batch_arithmetic_uses_the_base_config_group_size():
+    """tiny.yaml has G = 4: 8 rows a generation are 2 prompts of 4, not 1 of TRL's 8."""
+    args = jgrpo.GRPOConfig(per_device_train_batch_size=8)
+    cfg = jgrpo.GRPOTrainer(TINY, args=args).config
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (2, 4)
+
+
 @pytest.mark.parametrize(
     "trl, message",
     [
