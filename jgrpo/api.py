@@ -116,7 +116,7 @@ def _trl_keys(data: dict, args, model, peft_config, train_dataset) -> dict[str, 
     if args is not None:
         if not isinstance(args, GRPOConfig):
             raise ConfigError(f"args: expected a jgrpo.GRPOConfig, got {type(args).__name__}")
-        keys |= jgrpo_keys(args, (data.get("grpo") or {}).get("num_minibatches", 1))
+        keys |= jgrpo_keys(args, dict(data.get("grpo") or {}))
     if model is not None:
         keys["model.path"] = _model_path(model)
     if peft_config is not None:

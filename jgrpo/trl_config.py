@@ -95,9 +95,13 @@ class GRPOConfig:
                     f"GRPOConfig: {name} is not a TRL argument jgrpo supports (docs/trl.md "
                     "lists those it maps; give jgrpo keys as GRPOTrainer(overrides=[...]))"
                 )
-        self.given = dict(kwargs)
+        object.__setattr__(self, "given", dict(kwargs))
         """The arguments passed, by TRL name."""
-        jgrpo_keys(self, num_minibatches=1)  # every value error now, where the user wrote it
+        jgrpo_keys(self, {})  # every value error now, where the user wrote it
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`args.max_steps = 10` after construction: checked like a keyword argument."""
+        self.__init__(**{**self.given, name: value})
 
     def __getattr__(self, name: str) -> Any:
         if name in SUPPORTED:
@@ -170,18 +174,18 @@ def _report_keys(value: Any) -> dict[str, Any]:
     return {"logging.tensorboard": "tensorboard" in names, "logging.wandb": "wandb" in names}
 
 
-def jgrpo_keys(args: GRPOConfig, num_minibatches: int) -> dict[str, Any]:
-    """{dotted jgrpo key: value} of the given arguments; `num_minibatches`: the base config's
-    grpo.num_minibatches (the batch arguments, when given, set it)."""
+def jgrpo_keys(args: GRPOConfig, base: dict) -> dict[str, Any]:
+    """{dotted jgrpo key: value} of the given arguments; `base`: the base config's grpo section
+    (its num_generations_per_prompt and num_minibatches, unless the arguments set them)."""
     given = args.given
     keys: dict[str, Any] = {
         given_key: given[name] for name, given_key in _DIRECT.items() if name in given
     }
     if "epsilon" in given and "epsilon_high" not in given:
         keys["loss.ratio_clip_max"] = given["epsilon"]  # TRL: epsilon_high defaults to epsilon
-    generations = given.get("num_generations")
+    generations = given.get("num_generations", base.get("num_generations_per_prompt", 8))
     keys |= _batch_keys(given, generations if isinstance(generations, int) else 8)
-    k = keys.get("grpo.num_minibatches", num_minibatches)
+    k = keys.get("grpo.num_minibatches", base.get("num_minibatches", 1))
     if given.get("max_steps") not in (None, -1):
         keys["grpo.max_num_steps"] = _per_rollout("max_steps", given["max_steps"], k)
     if "save_steps" in given:

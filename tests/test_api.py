@@ -465,7 +465,13 @@ def test_trl_shaped_call_resolves_to_the_jgrpo_config_written_by_hand(tmp_path):
     assert trainer.config == build_config(HAND)
     assert trainer.run_dir == tmp_path / "trl"
     # an argument left out keeps jgrpo's default, not TRL's (max_completion_length 512, ...)
-    plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(), train_dataset=[{}])
+    args = jgrpo.GRPOConfig()
+    args.max_completion_length = 8  # set after construction, as TRL scripts do: checked too
+    assert args.given == {"max_completion_length": 8} and args.top_p is None
+    with pytest.raises(ConfigError, match=r"^GRPOConfig: logging_steps is not supported"):
+        args.logging_steps = 5
+    args = jgrpo.GRPOConfig()
+    plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=args, train_dataset=[{}])
     assert plain.config == build_config({"data": {"task": "prompts"}}, reward_funcs=_zero)
     assert plain.config.data.wraps_string_prompts is False  # TRL: string prompts verbatim
     # only a dataset and a reward: task prompts on the default model, lengths that fit it
@@ -504,6 +510,13 @@ def test_each_trl_name_maps_to_its_jgrpo_key(trl, key, value):
 
     cfg = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(**trl)).config
     assert functools.reduce(getattr, key.split("."), cfg) == value
+
+
+def test_trl_batch_arithmetic_uses_the_base_config_group_size():
+    """tiny.yaml has G = 4: 8 rows a generation are 2 prompts of 4, not 1 of TRL's 8."""
+    args = jgrpo.GRPOConfig(per_device_train_batch_size=8)
+    cfg = jgrpo.GRPOTrainer(TINY, args=args).config
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (2, 4)
 
 
 @pytest.mark.parametrize(
@@ -584,3 +597,15 @@ def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
     assert all(r["reward/_length/mean"] is not None for r in result.metrics)
     assert (result.model_dir / "model.safetensors").is_file()
     assert result.run_dir == tmp_path / "trl"
+
+
+def test_eval_without_a_held_out_set_is_one_line(tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    argv = ["eval", "--config", TINY, "data.task=gsm8k", f"data.train_path={data}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "data.val_path: nothing to evaluate; give data.val_path, data.val_fraction or data.val_sets"
+    )
+    assert len(err.splitlines()) == 1
