@@ -39,6 +39,10 @@ DEFAULT_RULES: dict[str, str | None] = {
     "head_dim": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapter rank: small, never sharded (models/lora.py)
+    # MoE experts (models/moe_transformer.py): not sharded for now, as their embed/mlp dims
+    # already shard over fsdp/tensor like a dense MLP's; expert parallelism needs the tokens
+    # dispatched to the experts' devices (an all-to-all), which this mapping alone does not do
+    "expert": None,
 }
 
 

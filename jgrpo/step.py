@@ -30,6 +30,7 @@ from jgrpo import losses, packing
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, LossConfig
 from jgrpo.models import kernels
+from jgrpo.models.moe_transformer import MoETransformer
 from jgrpo.optimizer import (
     OptimizerHparams,
     make_schedule,
@@ -128,16 +129,23 @@ class StepHparams:
     """rollout.temperature: the logprobs are of logits / temperature, as sampled."""
     seq_logprob_error_threshold: jax.Array
     """grpo.seq_logprob_error_threshold (0 and unused when unset)."""
+    router_aux_loss_coef: Optional[jax.Array] = None
+    """model.moe.router_aux_loss_coef (None: the MoE model's HF config value)."""
+    router_z_loss_coef: Optional[jax.Array] = None
+    """model.moe.router_z_loss_coef (MoE models only)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepHparams:
         f32 = lambda x: jnp.asarray(x, jnp.float32)
+        aux = cfg.model.moe.router_aux_loss_coef
         return cls(
             loss={k: f32(v) for k, v in split_floats(cfg.loss)[1].items()},
             advantage={k: f32(v) for k, v in split_floats(cfg.grpo.advantage)[1].items()},
             optimizer=OptimizerHparams.from_config(cfg.optim),
             temperature=f32(cfg.rollout.temperature),
             seq_logprob_error_threshold=f32(cfg.grpo.seq_logprob_error_threshold or 0.0),
+            router_aux_loss_coef=None if aux is None else f32(aux),
+            router_z_loss_coef=f32(cfg.model.moe.router_z_loss_coef),
         )
 
     def loss_config(self, flags: StepFlags) -> LossConfig:
@@ -237,6 +245,23 @@ def sequence_logprobs(
         first_scored=first_scored,
         packed=packed,
     )
+
+
+def policy_logprobs_routed(
+    graphdef, params, input_ids_bt, attention_mask_bt, temperature, first_scored=1, packed=None
+):
+    """`sequence_logprobs` of the policy -> (logprobs, MoEOutput, MoESpec) of an MoE model's
+    forward (the router stats of the aux losses), (logprobs, None, None) of a dense one."""
+    model = nnx.merge(graphdef, params)
+    kwargs = dict(first_scored=first_scored, packed=packed)
+    if not isinstance(model, MoETransformer):
+        return (
+            model.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs),
+            None,
+            None,
+        )
+    lp, routed = model.token_logprobs_routed(input_ids_bt, attention_mask_bt, temperature, **kwargs)
+    return lp, routed, model.cfg.moe
 
 
 def frozen_logprobs(
@@ -401,16 +426,23 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     m_bt = data.token_mask * data.sample_mask[:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data.sample_mask)
     policy_logprobs = functools.partial(
-        sequence_logprobs, graphdef, temperature=hparams.temperature
+        policy_logprobs_routed, graphdef, temperature=hparams.temperature
+    )
+    router_losses = functools.partial(
+        losses.add_router_losses,
+        aux_coef=hparams.router_aux_loss_coef,
+        z_coef=hparams.router_z_loss_coef,
+        num_microbatches=flags.num_microbatches,
     )
 
     def rows_loss(params, mb: ScoredBatch):
         with jax.named_scope("forward_policy"):
             full = with_frozen(params, frozen)
-            lp_bt = policy_logprobs(
+            lp_bt, routed, spec = policy_logprobs(
                 full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
             )
-        return losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
+        loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
+        return router_losses(*loss, routed, spec)
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -421,12 +453,16 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     def packed_loss(params, xs):
         (ids_rw, *packed), k = xs
         with jax.named_scope("forward_policy"):
-            lp_rh = policy_logprobs(with_frozen(params, frozen), ids_rw, None, packed=packed)
+            lp_rh, routed, spec = policy_logprobs(
+                with_frozen(params, frozen), ids_rw, None, packed=packed
+            )
         in_b = k_b == k  # the rows this chunk holds
         tm_bt = data.token_mask * in_b[:, None]
         lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
+        return router_losses(
+            *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
+        )
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
     return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)

@@ -25,7 +25,13 @@ import numpy as np
 from flax import nnx
 
 from jgrpo.models import lora
-from jgrpo.models.hf import ModelFormatError, _layer_map, read_safetensors, write_safetensors
+from jgrpo.models.hf import (
+    ModelFormatError,
+    _layer_map,
+    model_class,
+    read_safetensors,
+    write_safetensors,
+)
 from jgrpo.models.transformer import Transformer
 
 _PEFT_PREFIX = "base_model.model.model.layers"
@@ -34,13 +40,14 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def _graphdef(cfg):
-    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    return nnx.graphdef(nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0))))
 
 
 def attach_lora(model: Transformer, spec: lora.LoRASpec, key) -> Transformer:
     """`model` (no adapters) with fresh adapters of `spec`; its base arrays are shared."""
     if model.cfg.lora is not None:
         raise ValueError("attach_lora: the model already has LoRA adapters")
+    lora.check_targets(model.cfg, spec)
     cfg = dataclasses.replace(model.cfg, lora=spec)
     base = nnx.to_pure_dict(nnx.state(model))
     return nnx.merge(_graphdef(cfg), base, {"lora": lora.init_adapters(cfg, key)})

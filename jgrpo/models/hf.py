@@ -22,13 +22,17 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jgrpo.models import moe_hf
+from jgrpo.models.moe import MoESpec
+from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
+from jgrpo.models.preflight import FAMILIES as _FAMILIES
+from jgrpo.models.preflight import (
+    IGNORED_TENSOR_SUFFIXES,
+    bias_flags,
+    unsupported_model_type,
+)
 from jgrpo.models.transformer import RopeScaling, Transformer, TransformerConfig
 
-_FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -84,11 +88,7 @@ def config_from_hf(
     `options` are the remaining execution fields (remat, logprob_chunk_size, kernels)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
-        raise ModelFormatError(
-            f"model_type {family!r} is not supported (allowed: {', '.join(_FAMILIES)})"
-        )
-    if hf.get("mlp_bias"):
-        raise ModelFormatError("mlp_bias=true is not supported")
+        raise ModelFormatError(unsupported_model_type(family))
     if hf.get("use_sliding_window"):
         raise ModelFormatError("use_sliding_window=true is not supported")
     act = hf.get("hidden_act", "silu")
@@ -96,7 +96,16 @@ def config_from_hf(
         raise ModelFormatError(f"hidden_act {act!r} is not supported (allowed: silu)")
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
-    return TransformerConfig(
+    cls, extra = TransformerConfig, {}
+    if family in moe_hf.MOE_FAMILIES:  # the MoE decoder's fields (jgrpo.models.moe_hf)
+        try:
+            spec = MoESpec(**moe_hf.moe_spec_fields(hf))
+        except ValueError as e:
+            raise ModelFormatError(str(e)) from None
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rotary = int(head_dim * moe_hf.partial_rotary_factor(hf))
+        cls, extra = MoETransformerConfig, {"moe": spec, "rotary_dim": rotary}
+    return cls(
         family=family,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -109,14 +118,15 @@ def config_from_hf(
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        **bias_flags(hf),
+        qk_norm=family in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         dtype=dtype,
         param_dtype=param_dtype or dtype,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
+        **extra,
         **options,
     )
 
@@ -146,8 +156,17 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
         "pad_token_id": cfg.pad_token_id,
         "dtype": cfg.param_dtype,
     }
-    if cfg.family == "llama":
+    if cfg.family != "qwen2":
         hf["attention_bias"] = cfg.attention_bias
+    if cfg.family == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
+    if isinstance(cfg, MoETransformerConfig):
+        hf.update(moe_hf.moe_config_to_hf(cfg))
+        if cfg.family == "glm4_moe":  # transformers' default when absent is 0.5
+            rope["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
+    ours = {k: getattr(cfg, k) for k in ("attention_bias", "o_bias", "mlp_bias")}
+    if bias_flags(hf) != ours:  # transformers would build other projections
+        raise ModelFormatError(f"{cfg.family} has no config.json flags for the biases {ours}")
     return hf
 
 
@@ -241,16 +260,23 @@ def _layer_map(cfg: TransformerConfig):
             lambda w: w.T.reshape(n, h, d),
             lambda w: w.reshape(n * h, d).T,
         ),
-        ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
-        ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
     ]
+    if not isinstance(cfg, MoETransformerConfig):  # MoE MLPs: moe_hf.moe_weights_*
+        rows += [
+            ("gate", "mlp.gate_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("up", "mlp.up_proj.weight", lambda w: w.T, lambda w: w.T),
+            ("down", "mlp.down_proj.weight", lambda w: w.T, lambda w: w.T),
+        ]
     if cfg.attention_bias:
         rows += [
             ("q_bias", "self_attn.q_proj.bias", lambda w: w.reshape(n, h), lambda w: w.reshape(-1)),
             ("k_bias", "self_attn.k_proj.bias", lambda w: w.reshape(k, h), lambda w: w.reshape(-1)),
             ("v_bias", "self_attn.v_proj.bias", lambda w: w.reshape(k, h), lambda w: w.reshape(-1)),
         ]
+    if cfg.o_bias:
+        rows.append(("o_bias", "self_attn.o_proj.bias", *same))
+    if cfg.mlp_bias:
+        rows += [(f"{w}_bias", f"mlp.{w}_proj.bias", *same) for w in ("gate", "up", "down")]
     if cfg.qk_norm:
         rows += [
             ("q_norm", "self_attn.q_norm.weight", *same),
@@ -265,10 +291,26 @@ def _take(tensors: dict, name: str, folder) -> np.ndarray:
     return tensors[name]
 
 
-def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="checkpoint") -> None:
-    """Copy HF-named tensors into `model`'s parameters (cast to the storage dtype)."""
+def load_weights(
+    model: Transformer, tensors: dict[str, np.ndarray], folder="checkpoint", also_read=()
+) -> None:
+    """Copy HF-named tensors into `model`'s parameters (cast to the storage dtype). Strict: a
+    tensor that nothing reads (not the model's, not in `also_read`, the names a caller reads
+    itself) is a ModelFormatError naming it, so no config.json flag is dropped silently."""
     cfg = model.cfg
     dtype = cfg.jnp_param_dtype
+    unread = {
+        name
+        for name in tensors
+        if name not in also_read and not name.endswith(IGNORED_TENSOR_SUFFIXES)
+    }
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:  # a tied copy some exports keep
+        if not np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
+            raise ModelFormatError(
+                f"{folder}: lm_head.weight differs from model.embed_tokens.weight, but "
+                "config.json has tie_word_embeddings=true"
+            )
+        unread.discard("lm_head.weight")
 
     def put(param, value):
         value = np.asarray(value)
@@ -290,6 +332,28 @@ def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="che
             ]
         )
         put(model.layers[ours], stacked)
+    if isinstance(cfg, MoETransformerConfig):
+
+        def take(name):
+            unread.discard(name)
+            return _take(tensors, name, folder)
+
+        groups = moe_hf.moe_weights_from_hf(cfg, take, tensors)
+        for group, arrays in groups.items():
+            for name, value in arrays.items():
+                put(getattr(model, group)[name], value)
+    unread -= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    unread -= {
+        f"model.layers.{i}.{row[1]}" for row in _layer_map(cfg) for i in range(cfg.num_layers)
+    }
+    if unread:
+        flags = ", ".join(
+            f"{k}={getattr(cfg, k)}" for k in ("attention_bias", "o_bias", "mlp_bias")
+        )
+        raise ModelFormatError(
+            f"{folder}: tensor {min(unread)!r} is read by nothing ({len(unread)} such tensors; "
+            f"{cfg.family} with {flags}: a config.json feature not implemented?)"
+        )
 
 
 def export_weights(model: Transformer) -> dict[str, np.ndarray]:
@@ -304,6 +368,10 @@ def export_weights(model: Transformer) -> dict[str, np.ndarray]:
         stacked = host(model.layers[ours])
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(to_hf(stacked[i]))
+    if isinstance(cfg, MoETransformerConfig):
+        groups = {g: getattr(model, g) or {} for g in ("dense_mlp", "moe")}
+        arrays = {g: {n: host(p) for n, p in ps.items()} for g, ps in groups.items()}
+        out.update(moe_hf.moe_weights_to_hf(cfg, arrays["dense_mlp"], arrays["moe"]))
     out["model.norm.weight"] = host(model.final_norm)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = np.ascontiguousarray(host(model.lm_head).T)
@@ -331,17 +399,25 @@ def from_pretrained(
     return model_from_tensors(cfg, read_hf_weights(folder), folder)
 
 
-def model_from_tensors(cfg: TransformerConfig, tensors: dict, folder) -> Transformer:
+def model_from_tensors(
+    cfg: TransformerConfig, tensors: dict, folder, also_read: tuple[str, ...] = ()
+) -> Transformer:
     """A Transformer of `cfg` holding the HF-named `tensors` read from `folder` (no random
     init: the abstract model's parameters become zeros, then the tensors overwrite them).
-    Tensors the decoder does not hold (a reward model's `score.weight`) are left unread."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    `also_read`: tensors the caller reads itself (a reward model's `score.weight`); any other
+    tensor the decoder does not hold is an error (`load_weights`)."""
+    model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             abstract = var.get_raw_value()
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
-    load_weights(model, tensors, folder)
+    load_weights(model, tensors, folder, also_read)
     return model
+
+
+def model_class(cfg: TransformerConfig) -> type[Transformer]:
+    """The decoder class of `cfg`: MoETransformer for the MoE families, else Transformer."""
+    return MoETransformer if isinstance(cfg, MoETransformerConfig) else Transformer
 
 
 MAX_SHARD_BYTES = 5 * 2**30

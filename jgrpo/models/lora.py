@@ -70,7 +70,27 @@ def spec_from_config(lora_cfg) -> LoRASpec | None:
 
 def with_lora(model_cfg, lora_cfg):
     """Transformer config `model_cfg` carrying the LoRASpec of `model.lora` (None when off)."""
-    return dataclasses.replace(model_cfg, lora=spec_from_config(lora_cfg))
+    spec = spec_from_config(lora_cfg)
+    check_targets(model_cfg, spec)
+    return dataclasses.replace(model_cfg, lora=spec)
+
+
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""Modules that may carry adapters on an MoE model (attention only: docs/moe.md)."""
+
+
+def check_targets(model_cfg, spec: LoRASpec | None) -> None:
+    """ConfigError when `spec` targets a projection the model's family cannot adapt."""
+    from jgrpo.config import ConfigError
+
+    if spec is None or getattr(model_cfg, "moe", None) is None:
+        return
+    extra = [m for m in spec.target_modules if m not in MOE_TARGETS]
+    if extra:
+        raise ConfigError(
+            f"model.lora.target_modules: {extra} are not supported on {model_cfg.family} "
+            f"(MoE: adapters on attention only; allowed: {', '.join(MOE_TARGETS)})"
+        )
 
 
 def a_key(weight: str) -> str:

@@ -21,7 +21,7 @@ from flax import nnx
 from jgrpo.config import ModelConfig
 from jgrpo.models import lora, preflight
 from jgrpo.models.adapters import attach_lora
-from jgrpo.models.hf import config_from_hf, from_pretrained
+from jgrpo.models.hf import config_from_hf, from_pretrained, model_class
 from jgrpo.models.sources import resolve_model_path
 from jgrpo.models.transformer import Transformer, TransformerConfig
 
@@ -79,7 +79,7 @@ def load_policy(
     """
     if abstract:
         arch = policy_config(model_cfg, folder, adapters=adapters)
-        return nnx.eval_shape(lambda: Transformer(arch, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: model_class(arch)(arch, rngs=nnx.Rngs(0)))
     folder = policy_folder(model_cfg) if folder is None else Path(folder)
     model = from_pretrained(folder, **model_options(model_cfg))
     spec = lora.spec_from_config(model_cfg.lora) if adapters else None

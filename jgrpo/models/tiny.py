@@ -20,8 +20,8 @@ import numpy as np
 
 from jgrpo.files import atomic_folder, write_json
 
-TINY_VERSION = 1
-"""Bump whenever build_tiny_model's output for the defaults changes."""
+TINY_VERSION = 2
+"""Bump whenever build_tiny_model's output for the defaults changes (2: 2048 positions)."""
 
 CHAR_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 """Special tokens of the tiny model's tokenizer: ids 0..3; byte b is id 4 + b."""
@@ -141,7 +141,7 @@ def tiny_qwen2_config(*, chat: bool = False, **overrides: Any) -> dict[str, Any]
         num_key_value_heads=2,
         intermediate_size=128,
         vocab_size=-(-size // 8) * 8,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # the default lengths fit (a config need not shrink them)
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
@@ -251,4 +251,85 @@ def build_tiny_model(
             weights, str(tmp / "model.safetensors"), metadata={"format": "pt"}
         )
         save_char_tokenizer(tmp, model_max_length=config["max_position_embeddings"], chat=chat)
+    return Path(out)
+
+
+def tiny_qwen3_moe_config() -> dict[str, Any]:
+    """config.json of `builtin:tiny-qwen3-moe`: the tiny Qwen2's shape and char tokenizer as a
+    Qwen3-MoE (q/k norms, no biases), both layers MoE: 8 experts of width 32, top-2,
+    renormalised gates, router_aux_loss_coef 0.001."""
+    base = tiny_qwen2_config()
+    drop = ("max_window_layers", "sliding_window", "use_sliding_window", "layer_types")
+    config = {k: v for k, v in base.items() if k not in drop}
+    config.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=base["hidden_size"] // base["num_attention_heads"],
+        attention_bias=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    )
+    return config
+
+
+def tiny_qwen3_moe_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic random float32 weights with HF Qwen3-MoE names (per-expert layout),
+    scaled as :func:`tiny_qwen2_weights`'; the router N(0, 1/d) so routing is far from
+    uniform."""
+    rng = np.random.default_rng(seed)
+    d, f, e = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
+    h = config["head_dim"]
+    qd, kd = config["num_attention_heads"] * h, config["num_key_value_heads"] * h
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def matrix(n_out: int, n_in: int) -> np.ndarray:
+        return normal((n_out, n_in), n_in**-0.5)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + normal((n,), _NORM_JITTER)).astype(np.float32)
+
+    w = {"model.embed_tokens.weight": normal((config["vocab_size"], d), _EMBED_STD)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(d)
+        w[p + "self_attn.q_proj.weight"] = matrix(qd, d)
+        w[p + "self_attn.k_proj.weight"] = matrix(kd, d)
+        w[p + "self_attn.v_proj.weight"] = matrix(kd, d)
+        w[p + "self_attn.o_proj.weight"] = matrix(d, qd)
+        w[p + "self_attn.q_norm.weight"] = norm(h)
+        w[p + "self_attn.k_norm.weight"] = norm(h)
+        w[p + "post_attention_layernorm.weight"] = norm(d)
+        w[p + "mlp.gate.weight"] = matrix(e, d)
+        for j in range(e):
+            w[p + f"mlp.experts.{j}.gate_proj.weight"] = matrix(f, d)
+            w[p + f"mlp.experts.{j}.up_proj.weight"] = matrix(f, d)
+            w[p + f"mlp.experts.{j}.down_proj.weight"] = matrix(d, f)
+    w["model.norm.weight"] = norm(d)
+    return w
+
+
+def build_tiny_moe_model(out: str | Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """Write `builtin:tiny-qwen3-moe` (config, weights, char tokenizer) to `out`; same seed,
+    same bytes. Raises FileExistsError if `out` exists."""
+    import safetensors.numpy
+
+    config = tiny_qwen3_moe_config()
+    weights = tiny_qwen3_moe_weights(config, seed)
+    with atomic_folder(out, overwrite=overwrite) as tmp:
+        write_json(tmp / "config.json", config)
+        write_json(
+            tmp / "generation_config.json",
+            {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        )
+        safetensors.numpy.save_file(
+            weights, str(tmp / "model.safetensors"), metadata={"format": "pt"}
+        )
+        save_char_tokenizer(tmp, model_max_length=config["max_position_embeddings"])
     return Path(out)

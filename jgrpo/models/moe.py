@@ -1,0 +1,251 @@
+"""The Mixture-of-Experts block: router, dropless experts, shared experts, router stats.
+
+Per token x of an MoE layer (docs/moe.md): the softmax router (Qwen3-MoE) picks the top-k of
+p = softmax(x W_r), gates p[ids] (renormalised with `norm_topk_prob`); the sigmoid router
+(GLM-4.5 / DeepSeek-V3) picks the top-k of s + b (s = sigmoid(x W_r), b a selection-only bias)
+within the `topk_groups` best expert groups, gates s[ids] (renormalised) x `routed_scaling`.
+y = sum_k g_k SwiGLU_{ids_k}(x) (+ the shared experts' SwiGLU). Router math is float32.
+Dropless (no capacity) experts, two paths behind the kernel switch (`EXPERT_PATHS`):
+`grouped` sorts the t*k (token, choice) pairs by expert and runs `jax.lax.ragged_dot`;
+`dense` runs every expert on every token, mixed by a [t, e] gate matrix.
+Router replay: `route(..., expert_ids_tk=ids)` takes a given choice and computes its gates
+from the current router (differentiable). Legend: t tokens, d model, f expert mlp, e experts,
+k chosen per token, l layers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+RouterKind = Literal["softmax", "sigmoid"]
+EXPERT_PATHS = {"cpu": "dense", "portable": "grouped"}
+"""Kernel path (`kernels.resolve_kernels`) -> expert implementation (grouped | dense)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """The MoE shape of a model (hashable: part of the static model config)."""
+
+    num_experts: int
+    """E routed experts per MoE layer."""
+    top_k: int
+    """k experts per token (HF num_experts_per_tok)."""
+    expert_size: int
+    """f, the hidden width of one expert's SwiGLU (HF moe_intermediate_size)."""
+    router: RouterKind = "softmax"
+    """softmax (Qwen3-MoE) | sigmoid (GLM-4.5 / DeepSeek-V3: bias, groups, scaling)."""
+    norm_topk_prob: bool = True
+    """Gates of the chosen experts divided by their sum."""
+    num_groups: int = 1
+    """Expert groups of the sigmoid router (HF n_group)."""
+    topk_groups: int = 1
+    """Groups a token may choose experts from (HF topk_group)."""
+    routed_scaling: float = 1.0
+    """Gates times this (HF routed_scaling_factor; sigmoid router)."""
+    shared_size: int = 0
+    """Hidden width of the shared-expert SwiGLU every token runs (0 = none; HF
+    moe_intermediate_size x n_shared_experts)."""
+    sparse_layers: tuple[bool, ...] = ()
+    """Per decoder layer: True = MoE block, False = the dense MLP."""
+    aux_loss_coef: float = 0.0
+    """The HF config's router_aux_loss_coef (the run's default coefficient)."""
+
+    @property
+    def num_sparse(self) -> int:
+        return sum(self.sparse_layers)
+
+
+class Routing(NamedTuple):
+    """One MoE layer's routing of t tokens."""
+
+    expert_ids_tk: jax.Array
+    """int32 [t, k] chosen experts."""
+    gates_tk: jax.Array
+    """float32 [t, k] their mixing weights (differentiable in the router)."""
+    probs_te: jax.Array
+    """float32 [t, e] the router's distribution (softmax p; sigmoid: s / sum s) for the
+    load-balancing loss and the entropy metric."""
+    logits_te: jax.Array
+    """float32 [t, e] router logits (z-loss)."""
+
+
+class RouterStats(NamedTuple):
+    """Sums over the counted (unmasked) tokens, per MoE layer [l, ...]: what the aux losses and
+    the moe/ metrics are made of (`aux_losses`, `moe_metrics`)."""
+
+    counts_le: jax.Array
+    """(token, choice) pairs routed to each expert."""
+    prob_sum_le: jax.Array
+    """Sum of router probabilities per expert."""
+    z_sum_l: jax.Array
+    """Sum of logsumexp(logits)^2."""
+    entropy_sum_l: jax.Array
+    """Sum of the router distribution's entropy (nats)."""
+    tokens_l: jax.Array
+    """Number of counted tokens."""
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def route(x_td, router_de, bias_e, spec: MoESpec, expert_ids_tk=None) -> Routing:
+    """The router of `spec` on tokens x_td -> Routing; `expert_ids_tk` replays a given choice."""
+    logits_te = jnp.dot(
+        x_td.astype(jnp.float32), router_de.astype(jnp.float32), precision="highest"
+    )
+    k = spec.top_k
+    if spec.router == "softmax":
+        probs_te = jax.nn.softmax(logits_te, axis=-1)
+        if expert_ids_tk is None:
+            _, expert_ids_tk = jax.lax.top_k(probs_te, k)
+        gates_tk = jnp.take_along_axis(probs_te, expert_ids_tk, axis=-1)
+        if spec.norm_topk_prob:
+            gates_tk = gates_tk / jnp.sum(gates_tk, axis=-1, keepdims=True)
+        return Routing(expert_ids_tk.astype(jnp.int32), gates_tk, probs_te, logits_te)
+    scores_te = jax.nn.sigmoid(logits_te)
+    if expert_ids_tk is None:
+        expert_ids_tk = _grouped_top_k(scores_te + bias_e.astype(jnp.float32), spec)
+    gates_tk = jnp.take_along_axis(scores_te, expert_ids_tk, axis=-1)
+    if spec.norm_topk_prob:
+        gates_tk = gates_tk / (jnp.sum(gates_tk, axis=-1, keepdims=True) + 1e-20)
+    gates_tk = gates_tk * spec.routed_scaling
+    probs_te = scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
+    return Routing(expert_ids_tk.astype(jnp.int32), gates_tk, probs_te, logits_te)
+
+
+def _grouped_top_k(choice_te, spec: MoESpec):
+    """Top-k experts of `choice_te` among the `topk_groups` groups whose two best scores sum
+    highest (DeepSeek-V3's group-limited routing); the choice carries no gradient."""
+    choice_te = jax.lax.stop_gradient(choice_te)
+    t, e = choice_te.shape
+    g = spec.num_groups
+    if g > 1 and spec.topk_groups < g:
+        top2_tg2, _ = jax.lax.top_k(choice_te.reshape(t, g, e // g), 2)
+        _, groups_tj = jax.lax.top_k(jnp.sum(top2_tg2, axis=-1), spec.topk_groups)
+        kept_tg = jnp.zeros((t, g), jnp.bool_).at[jnp.arange(t)[:, None], groups_tj].set(True)
+        kept_te = jnp.repeat(kept_tg, e // g, axis=1)
+        choice_te = jnp.where(kept_te, choice_te, -jnp.inf)
+    _, ids_tk = jax.lax.top_k(choice_te, spec.top_k)
+    return ids_tk
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def swiglu(x, gate_df, up_df, down_fd):
+    """down(silu(x gate) * up(x)): one dense SwiGLU MLP (the shared experts)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    h = jax.nn.silu(jnp.dot(x2, gate_df)) * jnp.dot(x2, up_df)
+    return jnp.dot(h, down_fd).reshape(*lead, -1)
+
+
+def experts_grouped(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
+    """Dropless experts by grouped matmuls: the t*k (token, choice) pairs sorted by expert,
+    `ragged_dot` over the expert groups, the outputs put back in pair order and mixed by the
+    gates. Exact (no capacity), work ~ t*k experts."""
+    t, k = ids_tk.shape
+    e = gate_edf.shape[0]
+    flat_ids = ids_tk.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+    x_pd = jnp.take(x_td, order // k, axis=0)  # p = t * k pairs, sorted by expert
+    gate_pf = jax.lax.ragged_dot(x_pd, gate_edf, group_sizes)
+    up_pf = jax.lax.ragged_dot(x_pd, up_edf, group_sizes)
+    y_pd = jax.lax.ragged_dot(jax.nn.silu(gate_pf) * up_pf, down_efd, group_sizes)
+    y_pd = jnp.zeros_like(y_pd).at[order].set(y_pd, unique_indices=True)
+    y_tkd = y_pd.reshape(t, k, -1)
+    return jnp.sum(y_tkd * gates_tk[..., None].astype(y_tkd.dtype), axis=1)
+
+
+def experts_dense(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
+    """Every expert on every token, mixed by a [t, e] gate matrix (zero off the chosen
+    experts): the same result as `experts_grouped`, work ~ t*E experts, no sort or gather."""
+    t = x_td.shape[0]
+    e = gate_edf.shape[0]
+    mix_te = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids_tk].add(gates_tk)
+    gate_tef = jnp.einsum("td,edf->tef", x_td, gate_edf)
+    up_tef = jnp.einsum("td,edf->tef", x_td, up_edf)
+    y_ted = jnp.einsum("tef,efd->ted", jax.nn.silu(gate_tef) * up_tef, down_efd)
+    return jnp.einsum("ted,te->td", y_ted, mix_te.astype(y_ted.dtype))
+
+
+def moe_mlp(p: dict, x_btd, spec: MoESpec, path: str, expert_ids_btk=None):
+    """The MoE block on x_btd with one layer's params `p` (router [d, e], router_bias [e] for
+    the sigmoid router, expert_gate / expert_up [e, d, f], expert_down [e, f, d], shared_gate /
+    shared_up [d, fs], shared_down [fs, d] when spec.shared_size) -> (y_btd, Routing of the
+    b*t tokens). `path`: the resolved kernel path (EXPERT_PATHS picks the expert code)."""
+    b, t, d = x_btd.shape
+    x_td = x_btd.reshape(b * t, d)
+    ids = None if expert_ids_btk is None else expert_ids_btk.reshape(b * t, -1)
+    routing = route(x_td, p["router"], p.get("router_bias"), spec, ids)
+    experts = experts_grouped if EXPERT_PATHS[path] == "grouped" else experts_dense
+    y_td = experts(
+        x_td,
+        routing.expert_ids_tk,
+        routing.gates_tk,
+        p["expert_gate"],
+        p["expert_up"],
+        p["expert_down"],
+    )
+    if spec.shared_size:
+        y_td = y_td + swiglu(x_td, p["shared_gate"], p["shared_up"], p["shared_down"])
+    return y_td.reshape(b, t, d).astype(x_btd.dtype), routing
+
+
+# ----------------------------------------------------------------------------- stats, losses
+
+
+def router_stats(routing: Routing, mask_t, num_experts: int) -> RouterStats:
+    """One layer's RouterStats over the tokens where mask_t (1 = counted)."""
+    m_t = mask_t.astype(jnp.float32)
+    m_tk = jnp.broadcast_to(m_t[:, None], routing.expert_ids_tk.shape)
+    counts_e = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_ids_tk].add(m_tk)
+    probs_te = routing.probs_te
+    entropy_t = -jnp.sum(probs_te * jnp.log(jnp.maximum(probs_te, 1e-30)), axis=-1)
+    z_t = jax.nn.logsumexp(routing.logits_te, axis=-1) ** 2
+    return RouterStats(
+        counts_le=counts_e,
+        prob_sum_le=jnp.sum(probs_te * m_t[:, None], axis=0),
+        z_sum_l=jnp.sum(z_t * m_t),
+        entropy_sum_l=jnp.sum(entropy_t * m_t),
+        tokens_l=jnp.sum(m_t),
+    )
+
+
+def aux_losses(stats: RouterStats, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, router z-loss) of stats over l layers.
+
+    Balance: E * sum_e f_e P_e with f_e the (token, choice) pairs routed to expert e per
+    token and P_e its mean router probability, both pooled over the l layers (transformers'
+    `load_balancing_loss_func` with an attention mask: k when perfectly balanced). z-loss:
+    mean over layers and tokens of logsumexp(logits)^2 (ST-MoE)."""
+    tokens = jnp.maximum(jnp.sum(stats.tokens_l), 1.0)
+    f_e = jnp.sum(stats.counts_le, axis=0) / tokens
+    p_e = jnp.sum(stats.prob_sum_le, axis=0) / tokens
+    return num_experts * jnp.sum(f_e * p_e), jnp.sum(stats.z_sum_l) / tokens
+
+
+def moe_metrics(stats: RouterStats, num_experts: int) -> dict[str, jax.Array]:
+    """moe/ metrics of stats: tokens per expert (max and mean over experts, pooled over
+    layers), mean router entropy, the aux and z losses."""
+    aux, z = aux_losses(stats, num_experts)
+    counts_e = jnp.sum(stats.counts_le, axis=0) / stats.counts_le.shape[0]
+    tokens = jnp.maximum(jnp.sum(stats.tokens_l), 1.0)
+    return {
+        "moe/tokens_per_expert_max": jnp.max(counts_e),
+        "moe/tokens_per_expert_mean": jnp.mean(counts_e),
+        "moe/router_entropy": jnp.sum(stats.entropy_sum_l) / tokens,
+        "moe/aux_loss": aux,
+        "moe/z_loss": z,
+    }
+
+
+def stack_stats(per_layer: list[RouterStats]) -> Optional[RouterStats]:
+    """RouterStats of several layer runs ([l_i, ...] each) concatenated on the layer axis."""
+    if not per_layer:
+        return None
+    return RouterStats(*(jnp.concatenate(xs) for xs in zip(*per_layer)))
