@@ -174,15 +174,7 @@ def block_kind(block: Block) -> str:
     return f"unknown: a ```{block.lang or '(no language)'} block"
 
 
-CWD_IMPORTS = (
-    "product defect: `jgrpo train` (a console script: the working folder is not on sys.path) "
-    "cannot import my_rewards / my_tools / my_env from the folder it runs in; fix in the CLI, "
-    "or the docs must say PYTHONPATH=."
-)
-KNOWN_DEFECTS = {
-    (("docs/rewards.md", "yaml"), "my_rewards:matches_target"): CWD_IMPORTS,
-    (("docs/multi-turn.md", "yaml"), "my_tools:add"): CWD_IMPORTS,
-}
+KNOWN_DEFECTS: dict[tuple[tuple[str, str], str], str] = {}
 """((page, language), text in the block) -> why the block fails for a product defect another
 change fixes (xfail, not strict: remove the entry once it passes)."""
 
@@ -291,6 +283,8 @@ YAML_CHECK = """
 import os, sys
 sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]  # as the `jgrpo` script runs
 from jgrpo.cli import _check_model_and_data
+from jgrpo.tasks.child import add_user_folders
+add_user_folders(sys.argv[1])  # the CLI's start: the working folder and the config's folder
 from jgrpo.config import load_config, read_yaml, apply_overrides, from_dict, validate, Config
 snippet, bases, deep = sys.argv[1], sys.argv[2:-1], sys.argv[-1] == "deep"
 if not bases:
