@@ -174,17 +174,9 @@ def block_kind(block: Block) -> str:
     return f"unknown: a ```{block.lang or '(no language)'} block"
 
 
-CWD_IMPORTS = (
-    "product defect: `jgrpo train` (a console script: the working folder is not on sys.path) "
-    "cannot import my_rewards / my_tools / my_env from the folder it runs in; fix in the CLI, "
-    "or the docs must say PYTHONPATH=."
-)
-KNOWN_DEFECTS = {
-    ("docs/rewards.md", "my_rewards:matches_target"): CWD_IMPORTS,
-    ("docs/multi-turn.md", "my_tools:add"): CWD_IMPORTS,
-}
-"""(page, text in the block) -> why the block fails for a product defect another change fixes
-(xfail, not strict: remove the entry once it passes)."""
+KNOWN_DEFECTS: dict[tuple[tuple[str, str], str], str] = {}
+"""((page, language), text in the block) -> why the block fails for a product defect another
+change fixes (xfail, not strict: remove the entry once it passes)."""
 
 
 def of_kind(*kinds: str) -> list:
@@ -192,7 +184,11 @@ def of_kind(*kinds: str) -> list:
     for b in BLOCKS:
         if block_kind(b) not in kinds:
             continue
-        why = [w for (page, text), w in KNOWN_DEFECTS.items() if b.page == page and text in b.text]
+        why = [
+            w
+            for (page, text), w in KNOWN_DEFECTS.items()
+            if (b.page, b.lang) == page and text in b.text
+        ]
         marks = [pytest.mark.xfail(reason=why[0], strict=False)] if why else []
         params.append(pytest.param(b, id=b.id, marks=marks))
     return params
@@ -208,14 +204,11 @@ def test_every_block_is_run_or_marked():
 # ---- the page's working folder (outside the checkout) -------------------------------------
 
 
-def child_env(folder: Path | None = None) -> dict:
-    """A user's environment: one CPU device, the checkout's jgrpo (PYTHONPATH) and the page's
-    folder importable (as it is for `python -c` in that folder, and for the reward, tool and
-    environment child processes the trainer starts)."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags(None), JAX_PLATFORMS="cpu")
-    paths = [str(folder)] if folder else []
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*paths, env.get("PYTHONPATH")]))
-    return env
+def child_env() -> dict:
+    """A user's environment: one CPU device and the checkout's jgrpo (the PYTHONPATH of this
+    process, nothing added: a page's modules are found as the user's would be, `python -c` in
+    the page's folder putting it on sys.path)."""
+    return dict(os.environ, XLA_FLAGS=xla_flags(None), JAX_PLATFORMS="cpu")
 
 
 def page_folder(tmp_path: Path, page: str) -> Path:
@@ -237,7 +230,7 @@ def run_python(code: str, folder: Path, timeout: int = RUN_TIMEOUT_S) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=folder,
-        env=child_env(folder),
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -290,6 +283,8 @@ YAML_CHECK = """
 import os, sys
 sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]  # as the `jgrpo` script runs
 from jgrpo.cli import _check_model_and_data
+from jgrpo.tasks.child import add_user_folders
+add_user_folders(sys.argv[1])  # the CLI's start: the working folder and the config's folder
 from jgrpo.config import load_config, read_yaml, apply_overrides, from_dict, validate, Config
 snippet, bases, deep = sys.argv[1], sys.argv[2:-1], sys.argv[-1] == "deep"
 if not bases:
