@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from datetime import datetime
@@ -32,17 +33,29 @@ RUN_ENTRIES = frozenset(
     {
         RUN_MARKER,
         "config.yaml",
-        "config.yaml.tmp",
         "metrics.jsonl",
-        "metrics.jsonl.tmp",
+        "samples.jsonl",
+        "summary.json",
         "checkpoints",
+        "final",
+        "hf",
         "tb",
         "plots",
-        "summary.json",
         "wandb",
     }
 )
-"""Every name a jgrpo run writes at the top of its folder."""
+"""Every name a jgrpo run writes at the top of its folder (`tests/test_cli.py` checks a run
+with every writer on against it). Their temporaries count too: `NAME.tmp` (`write_atomic`) and
+`.NAME.*.partial` / `.NAME.*.old` (`atomic_folder`)."""
+_TEMPORARY = re.compile(r"^\.?(?P<name>[^/]+?)(\.tmp|\.[^.]+\.(partial|old))$")
+
+
+def is_run_entry(name: str) -> bool:
+    """True for an entry a jgrpo run writes at the top of its folder, temporaries included."""
+    if name in RUN_ENTRIES:
+        return True
+    temporary = _TEMPORARY.match(name)
+    return temporary is not None and temporary["name"] in RUN_ENTRIES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -246,7 +259,7 @@ def run_folder_kind(run_dir: Path) -> str:
     names = sorted(p.name for p in run_dir.iterdir())
     if not names:
         return "empty"
-    foreign = [n for n in names if n not in RUN_ENTRIES]
+    foreign = [n for n in names if not is_run_entry(n)]
     if foreign:
         return f"foreign:{foreign[0]}"
     if {RUN_MARKER, "config.yaml", "metrics.jsonl", "checkpoints"} & set(names):

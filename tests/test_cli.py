@@ -111,6 +111,20 @@ def test_existing_run_folder_needs_resume_or_fresh(capsys, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_finished_run_folder_with_a_foreign_file_is_refused_naming_it(capsys, tmp_path, fresh):
+    for name in ("final", "hf", "checkpoints", "plots", "tb", ".final.ab12cd_e.partial"):
+        (tmp_path / name).mkdir()
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "config.yaml", cli.RUN_MARKER):
+        (tmp_path / name).write_text("")
+    assert cli.run_folder_kind(tmp_path) == "run"
+    (tmp_path / "notes.txt").write_text("mine")
+    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path)] + ["--fresh"] * fresh
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "'notes.txt'" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "final").is_dir()
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
@@ -149,11 +163,17 @@ def comparable(rows):
 
 def test_tiny_run_through_cli(capsys, tmp_path):
     run_dir = tmp_path / "run"
+    every_writer = ["checkpoint.save_period=3", "checkpoint.export_hf=true", "logging.plot=true"]
     code, out, err = run_cli(
-        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), "checkpoint.save_period=3"
+        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), *every_writer
     )
     assert code == 0, err
     assert "val/accuracy" in out and "before" in out
+    # a finished run's folder is recognised as a run: no flags names both ways on
+    assert {"final", "hf", "plots", "samples.jsonl", "summary.json"} <= set(os.listdir(run_dir))
+    assert cli.run_folder_kind(run_dir) == "run"
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--run-dir", str(run_dir))
+    assert code == 2 and "pass --resume" in err and "--fresh" in err, err
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(set(r) == set(rows[0]) for r in rows)
@@ -193,6 +213,22 @@ def test_tiny_run_through_cli(capsys, tmp_path):
     code, out, err = run_cli(capsys, "eval", "--config", TINY, "--checkpoint", str(run_dir))
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["val/accuracy"] == rows[3]["val/accuracy"]
+
+    # --fresh reruns a finished run (as `make demo` twice in a row does)
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(run_dir),
+        "--fresh",
+        "grpo.max_num_steps=1",
+        "grpo.val_at_end=false",
+    )
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+    assert not (run_dir / "hf").exists() and not (run_dir / "checkpoints" / "3").exists()
 
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path):
