@@ -26,6 +26,9 @@ from datetime import datetime
 from pathlib import Path
 
 from jgrpo.config import ConfigError, check_resume_compatible, format_config, load_config, read_yaml
+from jgrpo.console import attach_console
+
+log = logging.getLogger("jgrpo")
 
 RUN_MARKER = ".jgrpo-run"
 """Empty file `train` writes into each run folder it creates."""
@@ -58,12 +61,32 @@ def is_run_entry(name: str) -> bool:
     return temporary is not None and temporary["name"] in RUN_ENTRIES
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jgrpo")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        from jgrpo import __version__
+
+        return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jgrpo", description="JAX-native GRPO trainer")
+    p.add_argument("--version", action="version", version=f"jgrpo {_version()}")
+    loudness = argparse.ArgumentParser(add_help=False)
+    group = loudness.add_mutually_exclusive_group()
+    group.add_argument(
+        "-v", "--verbose", action="store_true", help="also per-step timings, each line timed"
+    )
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(name, help_text):
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, parents=[loudness])
         sp.add_argument("--config", required=True, help="YAML config file")
         sp.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         return sp
@@ -94,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "tokens and flops of the step",
     )
 
-    ex = sub.add_parser("export", help="checkpoint -> HF folder")
+    ex = sub.add_parser("export", help="checkpoint -> HF folder", parents=[loudness])
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
     ex.add_argument("out", help="output HF folder")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (atomically)")
@@ -102,13 +125,13 @@ def _parser() -> argparse.ArgumentParser:
         "--adapter", action="store_true", help="LoRA runs: the adapters alone, in PEFT format"
     )
 
-    conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder")
+    conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder", parents=[loudness])
     conv.add_argument("src")
     conv.add_argument("out")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     conv.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
-    plot = sub.add_parser("plot", help="PNG curves of a run")
+    plot = sub.add_parser("plot", help="PNG curves of a run", parents=[loudness])
     plot.add_argument("run_dir")
     return p
 
@@ -135,6 +158,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    console = attach_console(level)
+    console.propagate = False  # see jgrpo.console
+    try:
+        return _main(args)
+    finally:  # main() in a longer process (tests): its own logging config applies again
+        console.propagate = True
+
+
+def _main(args) -> int:
     # orbax reports a damaged step it skips through absl warnings; the CLI says it in one line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
@@ -171,7 +204,8 @@ def _dispatch(args) -> int:
         )
         return 0
 
-    cfg = load_config(args.config, args.overrides)
+    quiet = ["logging.progress_bar=false"] if args.quiet and args.command == "train" else []
+    cfg = load_config(args.config, [*args.overrides, *quiet])
     if args.command == "inspect-step":
         from jgrpo.inspect_step import inspect_step
 
@@ -333,15 +367,18 @@ def _train(cfg, args) -> int:
     if args.resume:
         _check_resume_config(cfg, run_dir)
     _check_model_and_data(cfg)
+    log.debug("importing jax")
     distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
 
     train.check_run(cfg)
+    log.info("run folder %s", run_dir)  # every check passed: what follows is the run
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
     if args.fresh and run_folder_kind(run_dir) == "run" and distributed.is_primary():
         import shutil
 
         shutil.rmtree(run_dir)
+        log.info("--fresh: deleted the earlier run in %s", run_dir)
     distributed.barrier("run-dir")  # every process checked run_dir before process 0 writes it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

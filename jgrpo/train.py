@@ -31,6 +31,7 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.console import attach_console
 from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger
 from jgrpo.models import load_policy, policy_folder
@@ -115,10 +116,18 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     if distributed.is_primary():
         write_run_config(run_dir, cfg)
 
+    log.info("loading the model %s", cfg.model.path)
     folder = policy_folder(cfg.model)
     # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
+    log.debug("model folder %s", folder)
     built = step_setup.build_step(cfg, model)
+    log.info(
+        "placed it on %d %s device(s) (mesh %s)",
+        built.mesh.size,
+        jax.default_backend().upper(),
+        ", ".join(f"{a}={n}" for a, n in built.mesh.shape.items()),
+    )
     state = built.state
     if cfg.rollout.backend == "local":  # Ray workers load their own (rollout.build_engine)
         task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh
@@ -131,13 +140,18 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         start = meta["step"]
         task.train.restore(meta["data_state"])
         draws = DataDraws.from_meta(meta)
-        log.info("resumed from step %d", start)
+        log.info("resumed from step %d of %d", start, cfg.grpo.max_num_steps)
+    elif resume:
+        log.info("no intact checkpoint to resume from: starting at step 0")
 
+    log.info("starting the %s rollout backend", cfg.rollout.backend)
     tokenizer = load_tokenizer(folder)
     engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
     backend = make_backend(cfg, engine, nnx.graphdef(model), folder, built.frozen)
     trainable = sum(x.size for x in jax.tree.leaves(state.params))
-    log.info("trainable parameters: %d of %d", trainable, trainable + _size(built.frozen))
+    log.info(
+        "trainable parameters: %s of %s", f"{trainable:,}", f"{trainable + _size(built.frozen):,}"
+    )
     aligned = distributed.align_first_runs(built.step_fn)
     return Trainer(
         cfg=cfg,
@@ -245,6 +259,9 @@ def run(
     from there exactly; the checkpoint does not duplicate it. `train_dataset` / `eval_dataset`
     (list of dicts or datasets.Dataset) replace data.train_path / data.val_path."""
     run_dir = Path(run_dir)
+    attach_console()
+    if not distributed.is_primary() and log.getEffectiveLevel() == logging.INFO:
+        log.setLevel(logging.WARNING)  # process 0 says what the pod does
     datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
     t = setup(cfg, run_dir, resume, datasets)
     g, k = cfg.grpo, cfg.rollout.max_staleness
@@ -265,12 +282,22 @@ def run(
             t.backend.request(s, examples)
         t.draws.done(t.task.train)
         if g.val_at_start and t.start_step == 0:
+            log.info("validating at step 0 (compiling the sampler first: %s)", _compile_hint())
             val = validate(t, 0)
             history.append({"step": 0, **val})
             logger.log(0, val)
+        clock = StepClock(t.start_step)
         for s in range(t.start_step, g.max_num_steps):
+            if s == t.start_step:
+                log.info(
+                    "step %d of %d: generating, then compiling the train step (%s)",
+                    s + 1,
+                    g.max_num_steps,
+                    _compile_hint(),
+                )
             metrics = train_one_step(t, s, data_states, logger)
             done = s + 1
+            clock.tick(done, metrics)
             periodic = g.val_period and done % g.val_period == 0
             if periodic or (g.val_at_end and done == g.max_num_steps):
                 val = validate(t, done)
@@ -280,10 +307,12 @@ def run(
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states)
+                log.info("saved checkpoint %s", t.checkpointer.directory / str(done))
                 if cfg.checkpoint.export_hf:
                     save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
         save_final(t, run_dir / FINAL_DIR)
+        finished = f"{clock.summary()}; the trained policy is in {run_dir / FINAL_DIR}"
     except RolloutFailure as e:
         if done not in t.checkpointer.all_steps():
             save_checkpoint(t, done, data_states)
@@ -296,9 +325,56 @@ def run(
         t.task.close()  # the reward child process, if any
         t.backend.close()
         t.checkpointer.close()
+    log.info("%s", finished)  # after the progress bar closed
     if cfg.logging.plot and distributed.is_primary():
         plot_run(run_dir)
     return history
+
+
+def _compile_hint() -> str:
+    return f"this can take a minute on {jax.default_backend().upper()}"
+
+
+class StepClock:
+    """Wall time of the steps one process trains, the first step (which compiles) apart."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.began = time.perf_counter()
+        self.first_done: float | None = None
+        self.last_step = start_step
+
+    def tick(self, done: int, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        self.last_step = done
+        if self.first_done is None:
+            self.first_done = now
+            log.info(
+                "step %d took %.1f s, compiling included; the next steps reuse the compiled "
+                "programs",
+                done,
+                now - self.began,
+            )
+        log.debug(
+            "step %d: %.2f s (generation %.2f s, train %.2f s), reward %.3f",
+            done,
+            metrics["perf/step_s"],
+            metrics["perf/generation_s"],
+            metrics["perf/train_s"],
+            metrics.get("reward/mean", float("nan")),
+        )
+
+    def summary(self) -> str:
+        """`trained N steps in T s` and the time a step took after the first."""
+        steps = self.last_step - self.start_step
+        if self.first_done is None:
+            return "no step to train"
+        total = time.perf_counter() - self.began
+        line = f"trained {steps} step{'s' * (steps != 1)} in {total:.1f} s"
+        if steps > 1:
+            after = (time.perf_counter() - self.first_done) / (steps - 1)
+            line += f" ({after:.2f} s a step after the first)"
+        return line
 
 
 def train_one_step(

@@ -462,7 +462,7 @@ class LoggingConfig:
     wandb_project: str = "jgrpo"
     """W&B project name."""
     progress_bar: bool = True
-    """Show a progress bar on stderr."""
+    """Progress on stderr: a bar on a terminal, else a line each tenth of the run."""
     plot: bool = True
     """Write PNG curves at the end of the run."""
     num_samples: int = 4
