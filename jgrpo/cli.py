@@ -372,7 +372,6 @@ def _train(cfg, args) -> int:
     from jgrpo import train
 
     train.check_run(cfg)
-    log.info("run folder %s", run_dir)  # every check passed: what follows is the run
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
     if args.fresh and run_folder_kind(run_dir) == "run" and distributed.is_primary():
         import shutil
@@ -385,6 +384,7 @@ def _train(cfg, args) -> int:
         (run_dir / RUN_MARKER).touch()
     except OSError as e:
         raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
+    log.info("run folder %s", run_dir)  # every check passed: what follows is the run
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
     except train.RunStopped as e:
@@ -400,7 +400,6 @@ def _train(cfg, args) -> int:
     distributed.finish()
     if not distributed.is_primary():
         return 0
-    train.write_summary(run_dir, history)
     print(train.summarize(history))
     print(f"run folder: {run_dir}")
     return 0

@@ -32,8 +32,9 @@ from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_s
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.console import attach_console
+from jgrpo.export import FINAL_DIR
 from jgrpo.files import write_atomic
-from jgrpo.metrics import MetricsLogger, NullLogger
+from jgrpo.metrics import MetricsLogger, NullLogger, read_metrics
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
 from jgrpo.models.reward_model import load_reward_models
@@ -273,7 +274,9 @@ def run(
     else:
         logger = NullLogger()
     data_states: dict[int, dict] = {}
-    history: list[dict] = []
+    history = History(start_step=t.start_step)
+    if resume_step and distributed.is_primary():  # metrics.jsonl holds steps <= resume_step now
+        history += validation_records(read_metrics(run_dir))
     done = t.start_step
     try:
         t.backend.publish(t.state.params, t.start_step)
@@ -326,8 +329,10 @@ def run(
         t.backend.close()
         t.checkpointer.close()
     log.info("%s", finished)  # after the progress bar closed
-    if cfg.logging.plot and distributed.is_primary():
-        plot_run(run_dir)
+    if distributed.is_primary():
+        write_summary(run_dir, history)
+        if cfg.logging.plot:
+            plot_run(run_dir)
     return history
 
 
@@ -475,10 +480,6 @@ def pod_rows(batch: dict, pool_start: int) -> dict[str, np.ndarray]:
     return distributed.allgather_rows(mine)
 
 
-FINAL_DIR = "final"
-"""RUN_DIR/final/: the policy at the end of the run, an HF folder."""
-
-
 def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
@@ -497,11 +498,34 @@ def save_final(t: Trainer, out: Path) -> Path:
     return out
 
 
+class History(list):
+    """`run`'s validation records [{step, val/..., perf/val_s}] in step order: a resumed run's
+    earlier ones (from metrics.jsonl) first. `start_step`: where this run started training."""
+
+    def __init__(self, records=(), start_step: int = 0):
+        super().__init__(records)
+        self.start_step = start_step
+
+
+def validation_records(rows: list[dict]) -> list[dict]:
+    """The validation records of metrics.jsonl lines: their val/* keys and perf/val_s."""
+    records = []
+    for row in rows:
+        val = {k: v for k, v in row.items() if k.startswith("val/") and v is not None}
+        if val:
+            extra = {"perf/val_s": row["perf/val_s"]} if row.get("perf/val_s") is not None else {}
+            records.append({"step": row["step"], **val, **extra})
+    return records
+
+
 def summarize(history: list[dict]) -> str:
-    """A before/after table of validation accuracy."""
+    """A before/after table of validation accuracy: from the resume point (the last record at
+    or before `history.start_step`, for a `History`) to the end."""
     if not history:
         return "no validation was run"
-    first, last = history[0], history[-1]
+    start = getattr(history, "start_step", 0)
+    first = ([r for r in history if r["step"] <= start] or history)[-1]
+    last = history[-1]
     rows = [("step", first["step"], last["step"])]
     if "val/accuracy" in first:  # tasks with a verifier
         rows.append(("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"))
@@ -515,4 +539,5 @@ def summarize(history: list[dict]) -> str:
 
 
 def write_summary(run_dir: Path, history: list[dict]) -> None:
-    (Path(run_dir) / "summary.json").write_text(json.dumps(history, indent=2))
+    """RUN_DIR/summary.json: every validation record of the run (a resume keeps the earlier)."""
+    write_atomic(Path(run_dir) / "summary.json", json.dumps(history, indent=2))

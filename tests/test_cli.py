@@ -127,6 +127,21 @@ def test_a_finished_run_folder_with_a_foreign_file_is_refused_naming_it(capsys, 
     assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "final").is_dir()
 
 
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"jgrpo {version('jgrpo')}\n"
+
+
+def test_checkpoints_are_on_by_default():
+    from jgrpo.config import Config
+
+    assert Config().checkpoint.save_period > 0
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
@@ -223,15 +238,26 @@ def test_tiny_run_through_cli(capsys, tmp_path):
     # --fresh reruns a finished run (as `make demo` twice in a row does)
     code, _, err = run_cli(
         capsys, "train", "--config", TINY, "--run-dir", str(run_dir), "--fresh", "--verbose",
-        "grpo.max_num_steps=1", "grpo.val_at_end=false",
+        "grpo.max_num_steps=1",
     )  # fmt: skip
     assert code == 0, err
     lines = err.splitlines()  # what it does, each line timed (--verbose)
     assert all(re.match(r"jgrpo: (\[ *[0-9.]+ s\] |step 1/1 )", line) for line in lines), err
     assert any("step 1 of 1: generating, then compiling the train step" in x for x in lines)
     assert any("--fresh: deleted the earlier run" in line for line in lines), err
-    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
     assert not (run_dir / "hf").exists() and not (run_dir / "checkpoints" / "3").exists()
+
+    # a run whose only model is final/ (checkpoint.save_period=0): export and eval take it
+    for source in (run_dir, run_dir / "final"):
+        code, out, err = run_cli(capsys, "eval", "--config", TINY, "--checkpoint", str(source))
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["val/accuracy"] == rows[1]["val/accuracy"]
+        copy = tmp_path / f"export-{source.name}"
+        assert run_cli(capsys, "export", str(source), str(copy))[0] == 0
+        for name in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (copy / name).read_bytes() == (run_dir / "final" / name).read_bytes()
 
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path):
@@ -269,12 +295,17 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path)
     proc.wait()
     assert not (killed / "checkpoints" / "4").exists(), "the kill came too late to test resume"
 
-    code, _, err = run_cli(
+    code, out, err = run_cli(
         capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
     )
     assert code == 0, err
     assert "jgrpo: resumed from step 2 of 4\n" in err
     assert comparable(read_metrics(killed)) == comparable(read_metrics(full))
+    # summary.json keeps the validations before the resume; the table starts at the resume
+    summary = [comparable([r]) for r in json.loads((killed / "summary.json").read_text())]
+    assert summary == [comparable([r]) for r in json.loads((full / "summary.json").read_text())]
+    assert [r[0]["step"] for r in summary] == [0, 2, 4]
+    assert re.search(r"^step +2 +4$", out, re.M), out
 
 
 def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkeypatch):

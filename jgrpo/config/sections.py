@@ -443,8 +443,8 @@ class MeshConfig:
 class CheckpointConfig:
     """Orbax checkpoints of the whole run state."""
 
-    save_period: int = 0
-    """Save every this many steps (0 = off)."""
+    save_period: int = 50
+    """Save every this many steps and at the last step (0 = never: export, eval use final/)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted."""
     export_hf: bool = False
