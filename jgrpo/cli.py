@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jgrpo.config import ConfigError, check_resume_compatible, format_config, load_config, read_yaml
-from jgrpo.console import attach_console
+from jgrpo.console import console_lines
 
 log = logging.getLogger("jgrpo")
 
@@ -159,12 +159,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    console = attach_console(level)
-    console.propagate = False  # see jgrpo.console
-    try:
+    with console_lines(level):
         return _main(args)
-    finally:  # main() in a longer process (tests): its own logging config applies again
-        console.propagate = True
 
 
 def _main(args) -> int:

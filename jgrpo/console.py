@@ -2,17 +2,18 @@
 
 `jgrpo: <message>` lines for what a run does (loading, compiling, resuming, saving); the CLI's
 default is INFO, `--verbose` DEBUG (per-step timings, each line with the seconds since the
-process started), `--quiet` WARNING. The API (`jgrpo.train.run`) attaches the same handler
-when nothing in the process configured logging, and leaves a configured `logging` alone.
-The attached logger stops propagating: absl configures the root logger when orbax first logs,
-which would print each line twice. Lines go through `tqdm.write` once tqdm is imported, so
-they print above a progress bar. Standard library only: the CLI calls this before jax loads.
+process started), `--quiet` WARNING. The CLI and the API (`jgrpo.train.run`) print them within
+`console_lines`, unless the program gave the `jgrpo` logger handlers of its own. Lines go
+through `tqdm.write` once tqdm is imported, so they print above a progress bar. Standard
+library only: the CLI calls this before jax is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 LOGGER = "jgrpo"
 """The name every jgrpo module logs under."""
@@ -42,22 +43,28 @@ class _ConsoleHandler(logging.Handler):
             self.handleError(record)
 
 
-def attach_console(level: int | None = None) -> logging.Logger:
-    """Print the `jgrpo` logger's lines on stderr (once per process) at `level`.
-
-    `level` None (the API): INFO unless the logger has a level already; nothing is attached
-    when the process configured logging itself (the root logger has handlers), so its own
-    handlers get the lines instead."""
+@contextlib.contextmanager
+def console_lines(level: int | None = None) -> Iterator[logging.Logger]:
+    """Within the block, print the `jgrpo` logger's lines on stderr at `level` (None: INFO
+    unless the logger has a level already) and only there: the logger does not propagate to
+    the root logger meanwhile (absl configures it when orbax first logs, which would print each
+    line twice). Both are restored after the block. Nothing changes when the program gave the
+    logger handlers of its own."""
     logger = logging.getLogger(LOGGER)
     ours = [h for h in logger.handlers if isinstance(h, _ConsoleHandler)]
-    if level is None and not ours and (logger.handlers or logging.getLogger().handlers):
-        return logger
+    if logger.handlers and not ours:
+        yield logger
+        return
     if not ours:
-        handler = _ConsoleHandler()
-        logger.addHandler(handler)
-        logger.propagate = False  # absl's basicConfig (orbax logs through it) would repeat them
-        ours = [handler]
+        ours = [_ConsoleHandler()]
+        logger.addHandler(ours[0])
+    before = logger.level, logger.propagate
     if level is not None or logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO if level is None else level)
     ours[0].setFormatter(_Formatter(timed=logger.level <= logging.DEBUG))
-    return logger
+    logger.propagate = False
+    try:
+        yield logger
+    finally:
+        logger.setLevel(before[0])
+        logger.propagate = before[1]

@@ -14,11 +14,14 @@ model.path; `export` merges the adapters into it, `export --adapter` writes them
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from jgrpo import compile_cache
 from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
 from jgrpo.files import atomic_folder
+
+log = logging.getLogger("jgrpo")
 
 # jax, flax and orbax are imported inside the functions: `check_checkpoint_source` (the CLI's
 # pre-flight of export and eval) rejects a wrong path before they load.
@@ -156,6 +159,7 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
     from jgrpo.models import save_pretrained
     from jgrpo.models.adapters import merge_lora, save_peft
 
+    log.info("loading the checkpoint of %s", path)
     model, folder, cfg = load_checkpoint_model(path)
     if adapter and model.cfg.lora is None:
         raise ConfigError("export --adapter: the run has no LoRA adapters (model.lora.rank=0)")
@@ -170,6 +174,7 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
 def evaluate(cfg: Config, checkpoint=None) -> dict:
     """Every held-out set's metrics (`jgrpo.evaluation`) of a checkpoint (a run, step or final/
     folder), or of cfg.model.path (any HF folder or model source)."""
+    import jax
     from flax import nnx
 
     from jgrpo.evaluation import validate_all
@@ -180,6 +185,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     compile_cache.enable()
     task = make_task(cfg.data, cfg.grpo.seed)
     final = None if checkpoint is None else final_folder(checkpoint)
+    log.info("loading the model %s", final or checkpoint or cfg.model.path)
     if final is not None:  # the merged policy of a finished run
         folder, model = final, load_policy(cfg.model, final, adapters=False)
     elif checkpoint is not None:
@@ -196,6 +202,10 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     backend.publish(nnx.to_pure_dict(state), 0)
+    log.info(
+        "validating (compiling the sampler first: this can take a minute on %s)",
+        jax.default_backend().upper(),
+    )
     try:
         metrics = validate_all(cfg, backend, task, 0)
     finally:

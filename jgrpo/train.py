@@ -31,7 +31,7 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
-from jgrpo.console import attach_console
+from jgrpo.console import console_lines
 from jgrpo.export import FINAL_DIR
 from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger, read_metrics
@@ -252,17 +252,22 @@ def run(
     *,
     train_dataset=None,
     eval_dataset=None,
-) -> list[dict]:
-    """Train; returns the validation records [{step, val/accuracy, ...}]. The trained policy
-    is left in RUN_DIR/final/ (an HF folder, see `save_final`).
+) -> History:
+    """Train; returns the validation records [{step, val/accuracy, ...}] (a resume's include
+    the earlier ones, `History`), also written to RUN_DIR/summary.json. The trained policy is
+    left in RUN_DIR/final/ (an HF folder, see `save_final`). Says what it does on stderr
+    (`jgrpo.console`).
 
     The reference policy is the initial model of `cfg.model.path`, so a resumed run reloads it
     from there exactly; the checkpoint does not duplicate it. `train_dataset` / `eval_dataset`
     (list of dicts or datasets.Dataset) replace data.train_path / data.val_path."""
-    run_dir = Path(run_dir)
-    attach_console()
-    if not distributed.is_primary() and log.getEffectiveLevel() == logging.INFO:
-        log.setLevel(logging.WARNING)  # process 0 says what the pod does
+    with console_lines():
+        if not distributed.is_primary() and log.getEffectiveLevel() == logging.INFO:
+            log.setLevel(logging.WARNING)  # process 0 says what the pod does
+        return _run(cfg, Path(run_dir), resume, train_dataset, eval_dataset)
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool, train_dataset, eval_dataset) -> History:
     datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
     t = setup(cfg, run_dir, resume, datasets)
     g, k = cfg.grpo, cfg.rollout.max_staleness
