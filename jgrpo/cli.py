@@ -143,7 +143,7 @@ def _fail(message: str) -> int:
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
     text = str(message).strip().splitlines()
-    print(f"jgrpo: warning: {text[0] if text else category.__name__}", file=sys.stderr)
+    log.warning("warning: %s", text[0] if text else category.__name__)  # above a progress bar
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -315,7 +315,7 @@ def _run(cfg: Config, run_dir: Path, resume: bool, train_dataset, eval_dataset) 
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states)
-                log.info("saved checkpoint %s", t.checkpointer.directory / str(done))
+                log.info("saved checkpoint %s", run_dir / "checkpoints" / str(done))
                 if cfg.checkpoint.export_hf:
                     save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
@@ -378,7 +378,10 @@ class StepClock:
         """`trained N steps in T s` and the time a step took after the first."""
         steps = self.last_step - self.start_step
         if self.first_done is None:
-            return "no step to train"
+            return (
+                f"nothing to train: the run is at step {self.start_step}, grpo.max_num_steps "
+                "(raise it to train on)"
+            )
         total = time.perf_counter() - self.began
         line = f"trained {steps} step{'s' * (steps != 1)} in {total:.1f} s"
         if steps > 1:

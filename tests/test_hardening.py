@@ -506,7 +506,7 @@ def test_at_least_sixty_cases():
     assert len(JAX_FREE) >= 60
 
 
-PROGRESS = re.compile(r"jgrpo: (run folder|loading the model|placed it on) ")
+PROGRESS = re.compile(r"jgrpo: (run folder|loading the (model|checkpoint)|placed it on) ")
 """The progress lines a run prints before the checks that need its model (a checkpoint)."""
 
 
