@@ -19,12 +19,16 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from datetime import datetime
 from pathlib import Path
 
 from jgrpo.config import ConfigError, check_resume_compatible, format_config, load_config, read_yaml
+from jgrpo.console import console_lines
+
+log = logging.getLogger("jgrpo")
 
 RUN_MARKER = ".jgrpo-run"
 """Empty file `train` writes into each run folder it creates."""
@@ -32,25 +36,57 @@ RUN_ENTRIES = frozenset(
     {
         RUN_MARKER,
         "config.yaml",
-        "config.yaml.tmp",
         "metrics.jsonl",
-        "metrics.jsonl.tmp",
+        "samples.jsonl",
+        "summary.json",
         "checkpoints",
+        "final",
+        "hf",
         "tb",
         "plots",
-        "summary.json",
         "wandb",
     }
 )
-"""Every name a jgrpo run writes at the top of its folder."""
+"""Every name a jgrpo run writes at the top of its folder (`tests/test_cli.py` checks a run
+with every writer on against it). Their temporaries count too: `NAME.tmp` (`write_atomic`) and
+`.NAME.*.partial` / `.NAME.*.old` (`atomic_folder`)."""
+_TEMPORARY = re.compile(r"^\.?(?P<name>[^/]+?)(\.tmp|\.[^.]+\.(partial|old))$")
+
+
+def is_run_entry(name: str) -> bool:
+    """True for an entry a jgrpo run writes at the top of its folder, temporaries included."""
+    if name in RUN_ENTRIES:
+        return True
+    temporary = _TEMPORARY.match(name)
+    return temporary is not None and temporary["name"] in RUN_ENTRIES
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jgrpo")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        from jgrpo import __version__
+
+        return __version__
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jgrpo", description="JAX-native GRPO trainer")
+    p.add_argument("--version", action="version", version=f"jgrpo {_version()}")
+    loudness = argparse.ArgumentParser(add_help=False)
+    group = loudness.add_mutually_exclusive_group()
+    group.add_argument(
+        "-v", "--verbose", action="store_true", help="also per-step timings, each line timed"
+    )
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(name, help_text):
-        sp = sub.add_parser(name, help=help_text)
+        sp = sub.add_parser(name, help=help_text, parents=[loudness])
         sp.add_argument("--config", required=True, help="YAML config file")
         sp.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         return sp
@@ -87,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
         "fits one device, and by how much",
     )
 
-    ex = sub.add_parser("export", help="checkpoint -> HF folder")
+    ex = sub.add_parser("export", help="checkpoint -> HF folder", parents=[loudness])
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
     ex.add_argument("out", help="output HF folder")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (atomically)")
@@ -95,13 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         "--adapter", action="store_true", help="LoRA runs: the adapters alone, in PEFT format"
     )
 
-    conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder")
+    conv = sub.add_parser("convert-gguf", help="GGUF Llama file -> HF folder", parents=[loudness])
     conv.add_argument("src")
     conv.add_argument("out")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     conv.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
 
-    plot = sub.add_parser("plot", help="PNG curves of a run")
+    plot = sub.add_parser("plot", help="PNG curves of a run", parents=[loudness])
     plot.add_argument("run_dir")
     return p
 
@@ -113,7 +149,7 @@ def _fail(message: str) -> int:
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
     text = str(message).strip().splitlines()
-    print(f"jgrpo: warning: {text[0] if text else category.__name__}", file=sys.stderr)
+    log.warning("warning: %s", text[0] if text else category.__name__)  # above a progress bar
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -128,6 +164,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    with console_lines(level):
+        return _main(args)
+
+
+def _main(args) -> int:
     # orbax reports a damaged step it skips through absl warnings; the CLI says it in one line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
@@ -172,7 +214,8 @@ def _dispatch(args) -> int:
         from jgrpo.inspect_report import parse_device_memory
 
         memory = parse_device_memory(args.device_memory)
-    cfg = load_config(args.config, args.overrides)
+    quiet = ["logging.progress_bar=false"] if args.quiet and args.command == "train" else []
+    cfg = load_config(args.config, [*args.overrides, *quiet])
     if args.command == "inspect-step":
         from jgrpo.inspect_report import device_fit, format_report
         from jgrpo.inspect_step import inspect_step
@@ -261,7 +304,7 @@ def run_folder_kind(run_dir: Path) -> str:
     names = sorted(p.name for p in run_dir.iterdir())
     if not names:
         return "empty"
-    foreign = [n for n in names if n not in RUN_ENTRIES]
+    foreign = [n for n in names if not is_run_entry(n)]
     if foreign:
         return f"foreign:{foreign[0]}"
     if {RUN_MARKER, "config.yaml", "metrics.jsonl", "checkpoints"} & set(names):
@@ -335,6 +378,7 @@ def _train(cfg, args) -> int:
     if args.resume:
         _check_resume_config(cfg, run_dir)
     _check_model_and_data(cfg)
+    log.debug("importing jax")
     distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
     from jgrpo.tasks.child import UserCodeError
@@ -345,12 +389,14 @@ def _train(cfg, args) -> int:
         import shutil
 
         shutil.rmtree(run_dir)
+        log.info("--fresh: deleted the earlier run in %s", run_dir)
     distributed.barrier("run-dir")  # every process checked run_dir before process 0 writes it
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / RUN_MARKER).touch()
     except OSError as e:
         raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
+    log.info("run folder %s", run_dir)  # every check passed: what follows is the run
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
     except (train.RunStopped, UserCodeError) as e:  # UserCodeError: data.reward_errors: raise
@@ -368,7 +414,6 @@ def _train(cfg, args) -> int:
     distributed.finish()
     if not distributed.is_primary():
         return 0
-    train.write_summary(run_dir, history)
     print(train.summarize(history))
     print(f"run folder: {run_dir}")
     return 0

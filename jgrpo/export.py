@@ -14,14 +14,39 @@ model.path; `export` merges the adapters into it, `export --adapter` writes them
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from jgrpo import compile_cache
 from jgrpo.config import Config, ConfigError, from_dict, read_yaml, validate
 from jgrpo.files import atomic_folder
 
+log = logging.getLogger("jgrpo")
+
 # jax, flax and orbax are imported inside the functions: `check_checkpoint_source` (the CLI's
 # pre-flight of export and eval) rejects a wrong path before they load.
+
+
+FINAL_DIR = "final"
+"""RUN_DIR/final/: the HF folder a run ends with (written by `jgrpo.train.save_final`)."""
+
+
+def _has_checkpoint(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any(
+        p.name.isdigit() and (p / "commit_success.txt").is_file() for p in ckpt_dir.iterdir()
+    )
+
+
+def final_folder(path) -> Path | None:
+    """The run's final/ HF folder that `path` names, or None: `path` is RUN_DIR/final itself,
+    or a run folder without a complete checkpoint whose only model is final/."""
+    path = Path(path)
+    if path.name == FINAL_DIR and (path / "config.json").is_file():
+        if (path.parent / "config.yaml").is_file():
+            return path
+    if (path / FINAL_DIR / "config.json").is_file() and not _has_checkpoint(path / "checkpoints"):
+        return path / FINAL_DIR
+    return None
 
 
 def _locate(path) -> tuple[Path, Path, int | None]:
@@ -31,7 +56,10 @@ def _locate(path) -> tuple[Path, Path, int | None]:
         return path, path / "checkpoints", None
     if path.name.isdigit() and path.parent.name == "checkpoints" and path.is_dir():
         return path.parent.parent, path.parent, int(path.name)
-    raise ConfigError(f"{str(path)!r}: not a run folder (with checkpoints/) or a checkpoint step")
+    raise ConfigError(
+        f"{str(path)!r}: not a run folder (with checkpoints/ or final/), a checkpoint step "
+        "or a run's final/ folder"
+    )
 
 
 def load_run_config(run_dir: Path) -> Config:
@@ -45,12 +73,17 @@ def load_run_config(run_dir: Path) -> Config:
 
 
 def check_checkpoint_source(path, cfg: Config | None = None) -> Config:
-    """Cheap checks of a run or step folder (and its config.yaml unless `cfg`); the config."""
+    """Cheap checks of a run, step or final/ folder (and the run's config.yaml unless `cfg`);
+    the config."""
+    final = final_folder(path)
+    if final is not None:
+        from jgrpo.models.sources import check_model_path
+
+        check_model_path(str(final))
+        return cfg or load_run_config(final.parent)
     run_dir, ckpt_dir, ckpt_step = _locate(path)
     cfg = cfg or load_run_config(run_dir)
-    if ckpt_step is None and not any(
-        p.name.isdigit() and (p / "commit_success.txt").is_file() for p in ckpt_dir.iterdir()
-    ):
+    if ckpt_step is None and not _has_checkpoint(ckpt_dir):
         raise ConfigError(f"{str(ckpt_dir)!r}: no complete checkpoint")
     return cfg
 
@@ -111,9 +144,22 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise ConfigError(f"export: {str(out)!r} is not empty; pass overwrite to replace it")
+    final = final_folder(path)
+    if final is not None:  # already an HF folder: copied as it is
+        if adapter:
+            raise ConfigError(
+                f"export --adapter: {str(final)!r} holds the merged policy; the adapters alone "
+                "come from a checkpoint (checkpoint.save_period > 0)"
+            )
+        import shutil
+
+        with atomic_folder(out, overwrite=True) as tmp:
+            shutil.copytree(final, tmp, dirs_exist_ok=True)
+        return out
     from jgrpo.models import save_pretrained
     from jgrpo.models.adapters import merge_lora, save_peft
 
+    log.info("loading the checkpoint of %s", path)
     model, folder, cfg = load_checkpoint_model(path)
     if adapter and model.cfg.lora is None:
         raise ConfigError("export --adapter: the run has no LoRA adapters (model.lora.rank=0)")
@@ -126,8 +172,9 @@ def export_checkpoint(path, out, *, overwrite: bool = False, adapter: bool = Fal
 
 
 def evaluate(cfg: Config, checkpoint=None) -> dict:
-    """Every held-out set's metrics (`jgrpo.evaluation`) of a checkpoint, or of cfg.model.path
-    (any HF folder or model source)."""
+    """Every held-out set's metrics (`jgrpo.evaluation`) of a checkpoint (a run, step or final/
+    folder), or of cfg.model.path (any HF folder or model source)."""
+    import jax
     from flax import nnx
 
     from jgrpo.evaluation import validate_all
@@ -143,7 +190,11 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
             "data.val_path: nothing to evaluate; give data.val_path, data.val_fraction or "
             "data.val_sets"
         )
-    if checkpoint is not None:
+    final = None if checkpoint is None else final_folder(checkpoint)
+    log.info("loading the model %s", final or checkpoint or cfg.model.path)
+    if final is not None:  # the merged policy of a finished run
+        folder, model = final, load_policy(cfg.model, final, adapters=False)
+    elif checkpoint is not None:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)
     else:
         folder = policy_folder(cfg.model)
@@ -157,6 +208,10 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     engine = RolloutEngine(cfg, model.cfg, load_tokenizer(folder), task)
     backend = LocalRollout(engine, graphdef, cfg.grpo.seed, cfg.grpo.num_generations_per_prompt)
     backend.publish(nnx.to_pure_dict(state), 0)
+    log.info(
+        "validating (compiling the sampler first: this can take a minute on %s)",
+        jax.default_backend().upper(),
+    )
     try:
         metrics = validate_all(cfg, backend, task, 0)
     finally:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -264,32 +266,83 @@ class WandbSink(Sink):
 
 
 class ProgressBarSink(Sink):
-    """A tqdm bar on stderr: steps done of `total_steps` (ETA) and the latest `FIELDS`."""
+    """Progress on stderr (`stream`): on a terminal a tqdm bar of the steps done of
+    `total_steps`, the latest `FIELDS` and the ETA; elsewhere (a log file, CI) one plain
+    `step N/T ...` line each tenth of the run. The first step this process trains compiles
+    the train step: its throughput is not shown and the ETA runs on the steps after it."""
 
     FIELDS = {"reward": "reward/mean", "acc": "val/accuracy", "tok/s": "perf/tokens_per_s"}
     """Bar field -> metric key; the bar shows the latest value seen of each."""
+    COMPILING = frozenset({"perf/tokens_per_s"})
+    """Keys whose value at the first trained step measures compiling (not shown)."""
 
-    def __init__(self, total_steps: int, resume_step: Optional[int]):
-        from tqdm import tqdm
-
-        self._bar = tqdm(
-            total=total_steps,
-            initial=resume_step or 0,
-            file=sys.stderr,
-            unit="step",
-            dynamic_ncols=True,
-        )
+    def __init__(
+        self, total_steps: int, resume_step: Optional[int], stream=None, clock=time.perf_counter
+    ):
+        self._stream = stream or sys.stderr
+        self._clock = clock
+        self._total, self._start = total_steps, resume_step or 0
+        self._done = self._printed = self._start
+        self._compiled: Optional[tuple[float, int]] = None  # (time, step) after the first step
+        self._line_every = max(1, (total_steps - self._start) // 10)
         self._shown: dict[str, float] = {}
+        self._bar = None
+        if self._stream.isatty():
+            from tqdm import tqdm
+
+            try:  # a terminal without a size (`script`, some CI runners) reports 0 columns
+                sized = os.get_terminal_size(self._stream.fileno()).columns > 0
+            except (AttributeError, OSError, ValueError):
+                sized = True
+            self._bar = tqdm(
+                total=total_steps,
+                initial=self._start,
+                file=self._stream,
+                unit="step",
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 24,  # tqdm hides bars below a 0-row screen
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            )
+
+    def _eta(self) -> Optional[float]:
+        if self._compiled is None or self._done <= self._compiled[1]:
+            return None
+        began, step = self._compiled
+        return (self._clock() - began) / (self._done - step) * (self._total - self._done)
 
     def write(self, step: int, values: Mapping[str, float]) -> None:
+        first = step == self._start + 1 and self._compiled is None
         for name, key in self.FIELDS.items():
-            if key in values:
+            if key in values and not (first and key in self.COMPILING):
                 self._shown[name] = values[key]
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in self._shown.items()})
-        self._bar.update(max(0, step - self._bar.n))
+        if step > self._done:
+            self._done = step
+            if first:
+                self._compiled = (self._clock(), step)
+        fields = {k: f"{self._shown[k]:.4g}" for k in self.FIELDS if k in self._shown}
+        eta = self._eta()
+        if eta is not None:
+            fields["eta"] = _format_seconds(eta)
+        if self._bar is not None:
+            self._bar.set_postfix(fields, refresh=False)
+            self._bar.update(max(0, step - self._bar.n))
+        elif step > self._printed and (
+            (step - self._start) % self._line_every == 0 or step == self._total
+        ):
+            self._printed = step
+            text = " ".join(f"{k}={v}" for k, v in fields.items())
+            print(f"jgrpo: step {step}/{self._total} {text}".rstrip(), file=self._stream)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _format_seconds(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _import_wandb():

@@ -32,8 +32,10 @@ from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_s
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.config.rules import needs_chat_turns
+from jgrpo.console import console_lines
+from jgrpo.export import FINAL_DIR
 from jgrpo.files import write_atomic
-from jgrpo.metrics import MetricsLogger, NullLogger
+from jgrpo.metrics import MetricsLogger, NullLogger, read_metrics
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
 from jgrpo.models.reward_model import load_reward_models
@@ -117,10 +119,18 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     if distributed.is_primary():
         write_run_config(run_dir, cfg)
 
+    log.info("loading the model %s", cfg.model.path)
     folder = policy_folder(cfg.model)
     # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
+    log.debug("model folder %s", folder)
     built = step_setup.build_step(cfg, model)
+    log.info(
+        "placed it on %d %s device(s) (mesh %s)",
+        built.mesh.size,
+        jax.default_backend().upper(),
+        ", ".join(f"{a}={n}" for a, n in built.mesh.shape.items()),
+    )
     state = built.state
     if cfg.rollout.backend == "local":  # Ray workers load their own (rollout.build_engine)
         task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh
@@ -133,13 +143,18 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         start = meta["step"]
         task.train.restore(meta["data_state"])
         draws = DataDraws.from_meta(meta)
-        log.info("resumed from step %d", start)
+        log.info("resumed from step %d of %d", start, cfg.grpo.max_num_steps)
+    elif resume:
+        log.info("no intact checkpoint to resume from: starting at step 0")
 
+    log.info("starting the %s rollout backend", cfg.rollout.backend)
     tokenizer = load_tokenizer(folder)
     engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
     backend = make_backend(cfg, engine, nnx.graphdef(model), folder, built.frozen)
     trainable = sum(x.size for x in jax.tree.leaves(state.params))
-    log.info("trainable parameters: %d of %d", trainable, trainable + _size(built.frozen))
+    log.info(
+        "trainable parameters: %s of %s", f"{trainable:,}", f"{trainable + _size(built.frozen):,}"
+    )
     aligned = distributed.align_first_runs(built.step_fn)
     return Trainer(
         cfg=cfg,
@@ -239,14 +254,22 @@ def run(
     *,
     train_dataset=None,
     eval_dataset=None,
-) -> list[dict]:
-    """Train; returns the validation records [{step, val/accuracy, ...}]. The trained policy
-    is left in RUN_DIR/final/ (an HF folder, see `save_final`).
+) -> History:
+    """Train; returns the validation records [{step, val/accuracy, ...}] (a resume's include
+    the earlier ones, `History`), also written to RUN_DIR/summary.json. The trained policy is
+    left in RUN_DIR/final/ (an HF folder, see `save_final`). Says what it does on stderr
+    (`jgrpo.console`).
 
     The reference policy is the initial model of `cfg.model.path`, so a resumed run reloads it
     from there exactly; the checkpoint does not duplicate it. `train_dataset` / `eval_dataset`
     (list of dicts or datasets.Dataset) replace data.train_path / data.val_path."""
-    run_dir = Path(run_dir)
+    with console_lines():
+        if not distributed.is_primary() and log.getEffectiveLevel() == logging.INFO:
+            log.setLevel(logging.WARNING)  # process 0 says what the pod does
+        return _run(cfg, Path(run_dir), resume, train_dataset, eval_dataset)
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool, train_dataset, eval_dataset) -> History:
     datasets = {"train_dataset": train_dataset, "eval_dataset": eval_dataset}
     t = setup(cfg, run_dir, resume, datasets)
     g, k = cfg.grpo, cfg.rollout.max_staleness
@@ -258,7 +281,9 @@ def run(
     else:
         logger = NullLogger()
     data_states: dict[int, dict] = {}
-    history: list[dict] = []
+    history = History(start_step=t.start_step)
+    if resume_step and distributed.is_primary():  # metrics.jsonl holds steps <= resume_step now
+        history += validation_records(read_metrics(run_dir))
     done = t.start_step
     try:
         t.backend.publish(t.state.params, t.start_step)
@@ -268,12 +293,22 @@ def run(
         t.draws.done(t.task.train)
         held_out = evaluation.has_held_out(t.task)
         if g.val_at_start and t.start_step == 0 and held_out:
+            log.info("validating at step 0 (compiling the sampler first: %s)", _compile_hint())
             val = validate(t, 0)
             history.append({"step": 0, **val})
             logger.log(0, val)
+        clock = StepClock(t.start_step)
         for s in range(t.start_step, g.max_num_steps):
+            if s == t.start_step:
+                log.info(
+                    "step %d of %d: generating, then compiling the train step (%s)",
+                    s + 1,
+                    g.max_num_steps,
+                    _compile_hint(),
+                )
             metrics = train_one_step(t, s, data_states, logger)
             done = s + 1
+            clock.tick(done, metrics)
             periodic = g.val_period and done % g.val_period == 0
             if held_out and (periodic or (g.val_at_end and done == g.max_num_steps)):
                 val = validate(t, done)
@@ -283,10 +318,12 @@ def run(
             last = done == g.max_num_steps
             if t.checkpointer.should_save(done) or (last and cfg.checkpoint.save_period > 0):
                 save_checkpoint(t, done, data_states)
+                log.info("saved checkpoint %s", run_dir / "checkpoints" / str(done))
                 if cfg.checkpoint.export_hf:
                     save_final(t, run_dir / "hf" / f"step_{done}")
             data_states.pop(s, None)
         save_final(t, run_dir / FINAL_DIR)
+        finished = f"{clock.summary()}; the trained policy is in {run_dir / FINAL_DIR}"
     except RolloutFailure as e:
         if done not in t.checkpointer.all_steps():
             save_checkpoint(t, done, data_states)
@@ -299,9 +336,61 @@ def run(
         t.task.close()  # the reward child process, if any
         t.backend.close()
         t.checkpointer.close()
-    if cfg.logging.plot and distributed.is_primary():
-        plot_run(run_dir)
+    log.info("%s", finished)  # after the progress bar closed
+    if distributed.is_primary():
+        write_summary(run_dir, history)
+        if cfg.logging.plot:
+            plot_run(run_dir)
     return history
+
+
+def _compile_hint() -> str:
+    return f"this can take a minute on {jax.default_backend().upper()}"
+
+
+class StepClock:
+    """Wall time of the steps one process trains, the first step (which compiles) apart."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.began = time.perf_counter()
+        self.first_done: float | None = None
+        self.last_step = start_step
+
+    def tick(self, done: int, metrics: dict[str, float]) -> None:
+        now = time.perf_counter()
+        self.last_step = done
+        if self.first_done is None:
+            self.first_done = now
+            log.info(
+                "step %d took %.1f s, compiling included; the next steps reuse the compiled "
+                "programs",
+                done,
+                now - self.began,
+            )
+        log.debug(
+            "step %d: %.2f s (generation %.2f s, train %.2f s), reward %.3f",
+            done,
+            metrics["perf/step_s"],
+            metrics["perf/generation_s"],
+            metrics["perf/train_s"],
+            metrics.get("reward/mean", float("nan")),
+        )
+
+    def summary(self) -> str:
+        """`trained N steps in T s` and the time a step took after the first."""
+        steps = self.last_step - self.start_step
+        if self.first_done is None:
+            return (
+                f"nothing to train: the run is at step {self.start_step}, grpo.max_num_steps "
+                "(raise it to train on)"
+            )
+        total = time.perf_counter() - self.began
+        line = f"trained {steps} step{'s' * (steps != 1)} in {total:.1f} s"
+        if steps > 1:
+            after = (time.perf_counter() - self.first_done) / (steps - 1)
+            line += f" ({after:.2f} s a step after the first)"
+        return line
 
 
 def train_one_step(
@@ -401,10 +490,6 @@ def pod_rows(batch: dict, pool_start: int) -> dict[str, np.ndarray]:
     return distributed.allgather_rows(mine)
 
 
-FINAL_DIR = "final"
-"""RUN_DIR/final/: the policy at the end of the run, an HF folder."""
-
-
 def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
@@ -423,11 +508,34 @@ def save_final(t: Trainer, out: Path) -> Path:
     return out
 
 
+class History(list):
+    """`run`'s validation records [{step, val/..., perf/val_s}] in step order: a resumed run's
+    earlier ones (from metrics.jsonl) first. `start_step`: where this run started training."""
+
+    def __init__(self, records=(), start_step: int = 0):
+        super().__init__(records)
+        self.start_step = start_step
+
+
+def validation_records(rows: list[dict]) -> list[dict]:
+    """The validation records of metrics.jsonl lines: their val/* keys and perf/val_s."""
+    records = []
+    for row in rows:
+        val = {k: v for k, v in row.items() if k.startswith("val/") and v is not None}
+        if val:
+            extra = {"perf/val_s": row["perf/val_s"]} if row.get("perf/val_s") is not None else {}
+            records.append({"step": row["step"], **val, **extra})
+    return records
+
+
 def summarize(history: list[dict]) -> str:
-    """A before/after table of validation accuracy."""
+    """A before/after table of validation accuracy: from the resume point (the last record at
+    or before `history.start_step`, for a `History`) to the end."""
     if not history:
         return "no validation was run"
-    first, last = history[0], history[-1]
+    start = getattr(history, "start_step", 0)
+    first = ([r for r in history if r["step"] <= start] or history)[-1]
+    last = history[-1]
     rows = [("step", first["step"], last["step"])]
     if "val/accuracy" in first:  # tasks with a verifier
         rows.append(("val/accuracy", f"{first['val/accuracy']:.3f}", f"{last['val/accuracy']:.3f}"))
@@ -441,4 +549,5 @@ def summarize(history: list[dict]) -> str:
 
 
 def write_summary(run_dir: Path, history: list[dict]) -> None:
-    (Path(run_dir) / "summary.json").write_text(json.dumps(history, indent=2))
+    """RUN_DIR/summary.json: every validation record of the run (a resume keeps the earlier)."""
+    write_atomic(Path(run_dir) / "summary.json", json.dumps(history, indent=2))

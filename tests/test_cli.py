@@ -1,8 +1,10 @@
 """The `jgrpo` CLI: bad inputs exit 2 with one line naming the key; tiny runs end to end."""
 
+import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +113,35 @@ def test_existing_run_folder_needs_resume_or_fresh(capsys, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_finished_run_folder_with_a_foreign_file_is_refused_naming_it(capsys, tmp_path, fresh):
+    for name in ("final", "hf", "checkpoints", "plots", "tb", ".final.ab12cd_e.partial"):
+        (tmp_path / name).mkdir()
+    for name in ("metrics.jsonl", "samples.jsonl", "summary.json", "config.yaml", cli.RUN_MARKER):
+        (tmp_path / name).write_text("")
+    assert cli.run_folder_kind(tmp_path) == "run"
+    (tmp_path / "notes.txt").write_text("mine")
+    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path)] + ["--fresh"] * fresh
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "'notes.txt'" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "final").is_dir()
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"jgrpo {version('jgrpo')}\n"
+
+
+def test_checkpoints_are_on_by_default():
+    from jgrpo.config import Config
+
+    assert Config().checkpoint.save_period > 0
+
+
 def test_console_script_exit_code(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(tmp_path / "nope.yaml")],
@@ -149,11 +180,21 @@ def comparable(rows):
 
 def test_tiny_run_through_cli(capsys, tmp_path):
     run_dir = tmp_path / "run"
+    every_writer = ["checkpoint.save_period=3", "checkpoint.export_hf=true", "logging.plot=true"]
     code, out, err = run_cli(
-        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), "checkpoint.save_period=3"
+        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), *every_writer
     )
     assert code == 0, err
     assert "val/accuracy" in out and "before" in out
+    lines = err.splitlines()  # what it does while loading and compiling, then a line per step
+    assert lines[0] == f"jgrpo: run folder {run_dir}", err
+    assert any(re.match(r"jgrpo: step 1 took [0-9.]+ s, compiling included", x) for x in lines)
+    assert "jgrpo: step 3/3 reward=" in err
+    # a finished run's folder is recognised as a run: no flags names both ways on
+    assert {"final", "hf", "plots", "samples.jsonl", "summary.json"} <= set(os.listdir(run_dir))
+    assert cli.run_folder_kind(run_dir) == "run"
+    code, _, err = run_cli(capsys, "train", "--config", TINY, "--run-dir", str(run_dir))
+    assert code == 2 and "pass --resume" in err and "--fresh" in err, err
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(set(r) == set(rows[0]) for r in rows)
@@ -194,11 +235,38 @@ def test_tiny_run_through_cli(capsys, tmp_path):
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["val/accuracy"] == rows[3]["val/accuracy"]
 
+    # --fresh reruns a finished run (as `make demo` twice in a row does)
+    code, _, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(run_dir), "--fresh", "--verbose",
+        "grpo.max_num_steps=1",
+    )  # fmt: skip
+    assert code == 0, err
+    lines = err.splitlines()  # what it does, each line timed (--verbose)
+    assert all(re.match(r"jgrpo: (\[ *[0-9.]+ s\] |step 1/1 )", line) for line in lines), err
+    assert any("step 1 of 1: generating, then compiling the train step" in x for x in lines)
+    assert any("--fresh: deleted the earlier run" in line for line in lines), err
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert not (run_dir / "hf").exists() and not (run_dir / "checkpoints" / "3").exists()
+
+    # a run whose only model is final/ (checkpoint.save_period=0): export and eval take it
+    for source in (run_dir, run_dir / "final"):
+        code, out, err = run_cli(capsys, "eval", "--config", TINY, "--checkpoint", str(source))
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["val/accuracy"] == rows[1]["val/accuracy"]
+        copy = tmp_path / f"export-{source.name}"
+        assert run_cli(capsys, "export", str(source), str(copy))[0] == 0
+        for name in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (copy / name).read_bytes() == (run_dir / "final" / name).read_bytes()
+
 
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path):
     common = ["grpo.max_num_steps=4", "checkpoint.save_period=2", "grpo.val_period=2"]
     full = tmp_path / "full"
-    assert run_cli(capsys, "train", "--config", TINY, "--run-dir", str(full), *common)[0] == 0
+    code, out, err = run_cli(
+        capsys, "train", "--config", TINY, "--run-dir", str(full), "-q", *common
+    )
+    assert code == 0 and err == "" and "before" in out, err  # --quiet: the table alone
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -227,11 +295,17 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(capsys, tmp_path)
     proc.wait()
     assert not (killed / "checkpoints" / "4").exists(), "the kill came too late to test resume"
 
-    code, _, err = run_cli(
+    code, out, err = run_cli(
         capsys, "train", "--config", TINY, "--run-dir", str(killed), "--resume", *common
     )
     assert code == 0, err
+    assert "jgrpo: resumed from step 2 of 4\n" in err
     assert comparable(read_metrics(killed)) == comparable(read_metrics(full))
+    # summary.json keeps the validations before the resume; the table starts at the resume
+    summary = [comparable([r]) for r in json.loads((killed / "summary.json").read_text())]
+    assert summary == [comparable([r]) for r in json.loads((full / "summary.json").read_text())]
+    assert [r[0]["step"] for r in summary] == [0, 2, 4]
+    assert re.search(r"^step +2 +4$", out, re.M), out
 
 
 def test_reward_functions_that_raise_or_hang_score_zero(capsys, tmp_path, monkeypatch):
@@ -503,3 +577,41 @@ def test_export_refuses_a_non_empty_folder_then_replaces_it_atomically(capsys, t
     exported = read_hf_weights(out)["model.embed_tokens.weight"]
     base = read_hf_weights(resolve_model_path(cfg.model.path))["model.embed_tokens.weight"]
     np.testing.assert_allclose(exported, base + 0.25, atol=1e-6)
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_eta_and_throughput_leave_out_the_compiling_step():
+    from jgrpo.metrics import ProgressBarSink
+
+    now = [0.0]
+    stream = FakeTerminal()
+    bar = ProgressBarSink(10, None, stream=stream, clock=lambda: now[0])
+    bar.write(0, {"val/accuracy": 0.25})
+    for step, t, tokens_per_s in [(1, 100.0, 1.0), (2, 101.0, 50.0), (3, 102.0, 60.0)]:
+        now[0] = t  # step 1 compiled for 100 s, then one step a second
+        bar.write(step, {"reward/mean": 0.5, "perf/tokens_per_s": tokens_per_s})
+    bar.close()
+    last = stream.getvalue().split("\r")[-1]
+    assert "3/10" in last and "eta=0:07" in last and "tok/s=60" in last, last
+    assert "tok/s=1," not in stream.getvalue() and "tok/s=1]" not in stream.getvalue()
+
+
+def test_progress_without_a_terminal_is_a_line_each_tenth_of_the_run():
+    from jgrpo.metrics import ProgressBarSink
+
+    now = [0.0]
+    stream = io.StringIO()
+    bar = ProgressBarSink(25, 5, stream=stream, clock=lambda: now[0])
+    for step in range(6, 26):
+        now[0] = 100.0 + step  # step 6 compiled, then a second a step
+        bar.write(step, {"reward/mean": 0.5, "perf/tokens_per_s": 100.0 * step})
+        bar.write(step, {"val/accuracy": 0.5})  # a merge into the same step prints no line
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == [f"{s}/25" for s in range(7, 26, 2)]
+    assert lines[0] == "jgrpo: step 7/25 reward=0.5 acc=0.5 tok/s=700 eta=0:18"
+    assert lines[-1] == "jgrpo: step 25/25 reward=0.5 acc=0.5 tok/s=2500 eta=0:00"
+    assert "\r" not in stream.getvalue()

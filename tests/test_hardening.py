@@ -16,6 +16,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -505,12 +506,17 @@ def test_at_least_sixty_cases():
     assert len(JAX_FREE) >= 60
 
 
+PROGRESS = re.compile(r"jgrpo: (run folder|loading the (model|checkpoint)|placed it on) ")
+"""The progress lines a run prints before the checks that need its model (a checkpoint)."""
+
+
 def _check(proc, wall_s, needle, limit_s):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("jgrpo: error: "), proc.stderr[-3000:]
-    assert needle in lines[0], lines[0]
+    assert all(PROGRESS.match(line) for line in lines[:-1]), proc.stderr[-3000:]
+    assert lines[-1].startswith("jgrpo: error: "), proc.stderr[-3000:]
+    assert needle in lines[-1], lines[-1]
     assert wall_s < limit_s
 
 
@@ -518,6 +524,7 @@ def _check(proc, wall_s, needle, limit_s):
 def test_case_exits_2_before_jax(lab, results, name, argv, needle, jax_free):
     proc, wall_s = results[name]
     _check(proc, wall_s, needle.replace("{lab}", str(lab)), 60)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "JAX_NOT_IMPORTED" in proc.stdout, "rejected only after importing jax"
 
 

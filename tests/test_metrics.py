@@ -183,7 +183,7 @@ def test_progress_bar_shows_step_reward_accuracy(tmp_path, capsys):
     with MetricsLogger(tmp_path, cfg, total_steps=10) as logger:
         logger.log(1, {"reward/mean": 0.25, "perf/tokens_per_s": 1234.0})
         logger.log(1, {"val/accuracy": 0.5})
-        logger.log(2, {"reward/mean": 0.5})
+        logger.log(2, {"reward/mean": 0.5, "perf/tokens_per_s": 1234.0})
     err = capsys.readouterr().err
     assert "2/10" in err
     assert "reward=0.5" in err and "acc=0.5" in err and "tok/s=1234" in err

@@ -14,7 +14,7 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
 
 
-def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     # rewards of 3e38 overflow the group statistics in float32: the advantages, hence the loss,
     # become non-finite; the step must keep the params and count the skip
     (tmp_path / "huge_rewards.py").write_text(
@@ -33,6 +33,9 @@ def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypat
         ],
     )
     train.run(cfg, tmp_path / "run")
+    err = capsys.readouterr().err  # the API says what it does, as the CLI does
+    assert "jgrpo: step 1 of 3: generating, then compiling the train step" in err, err
+    assert "jgrpo: trained 3 steps in " in err
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     skipped = [r["train/skipped_updates"] for r in rows]

@@ -473,8 +473,8 @@ class MeshConfig:
 class CheckpointConfig:
     """Orbax checkpoints of the whole run state."""
 
-    save_period: int = 0
-    """Save every this many steps (0 = off)."""
+    save_period: int = 50
+    """Save every this many steps and at the last step (0 = never: export, eval use final/)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted."""
     export_hf: bool = False
@@ -492,7 +492,7 @@ class LoggingConfig:
     wandb_project: str = "jgrpo"
     """W&B project name."""
     progress_bar: bool = True
-    """Show a progress bar on stderr."""
+    """Progress on stderr: a bar on a terminal, else a line each tenth of the run."""
     plot: bool = True
     """Write PNG curves at the end of the run."""
     num_samples: int = 4
