@@ -103,7 +103,12 @@ def make_hf_model(family, extra, seed=0):
     return model
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+def cases(*quick):
+    """Every case, those not in `quick` marked heavy (make test runs the quick ones)."""
+    return [c if c in quick else pytest.param(c, marks=pytest.mark.heavy) for c in CASES]
+
+
+@pytest.fixture(scope="module")
 def hf_pair(request, tmp_path_factory):
     family, extra = CASES[request.param]
     hf_model = make_hf_model(family, extra)
@@ -122,6 +127,7 @@ def hf_logits(model, ids, mask=None, positions=None):
         return model(torch.tensor(ids), **kwargs).logits.numpy()
 
 
+@pytest.mark.parametrize("hf_pair", list(CASES), indirect=True)
 @pytest.mark.parametrize("kernels", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_logits_match_transformers(hf_pair, kernels):
     """Both kernel paths (cpu: dense experts; portable: sorted tokens + ragged_dot)."""
@@ -134,6 +140,7 @@ def test_logits_match_transformers(hf_pair, kernels):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("hf_pair", cases("glm4_moe_plain"), indirect=True)
 def test_padded_batch_matches_transformers(hf_pair):
     _, hf_model, folder = hf_pair
     model = from_pretrained(folder)
@@ -176,6 +183,7 @@ def test_each_routing_feature_changes_the_logits(tmp_path):
     assert np.abs(np.asarray(other(ids)) - ref).max() > 1e-2, "no bias"
 
 
+@pytest.mark.parametrize("hf_pair", list(CASES), indirect=True)
 def test_save_pretrained_roundtrip(hf_pair, tmp_path):
     name, hf_model, folder = hf_pair
     model = from_pretrained(folder)
@@ -194,6 +202,7 @@ def test_save_pretrained_roundtrip(hf_pair, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("hf_pair", cases("qwen3_moe_sparse_step"), indirect=True)
 def test_fused_expert_layout_loads(hf_pair, tmp_path):
     """transformers 5's in-memory layout (gate_up_proj [e, 2f, d]) loads like the per-expert
     one (save_original_format=False writes it)."""
@@ -207,6 +216,7 @@ def test_fused_expert_layout_loads(hf_pair, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("hf_pair", cases("glm4_moe_groups"), indirect=True)
 @pytest.mark.parametrize("kernels", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_cached_decode_matches_full_forward(hf_pair, kernels):
     """Prefill a left-padded prompt, then decode token by token: the logits of one forward,
@@ -434,3 +444,34 @@ def test_train_on_tiny_qwen3_moe(tmp_path, monkeypatch, lora):
     np.testing.assert_allclose(
         np.asarray(from_pretrained(final)(jnp.asarray(ids))), hf_logits(hf_model, ids), atol=TOL
     )
+
+
+def test_preflight_checks_moe_folders(tmp_path):
+    """The pre-flight knows the MoE tensors (a missing expert is named) and refuses an
+    unsupported variant with one ConfigError line (the CLI's exit 2)."""
+    from jgrpo.config import ConfigError
+    from jgrpo.models.preflight import check_hf_folder, hf_tensor_shapes
+    from jgrpo.models.tiny import build_tiny_moe_model, tiny_qwen3_moe_config
+
+    folder = build_tiny_moe_model(tmp_path / "tiny")
+    hf = check_hf_folder(folder)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in hf_tensor_shapes(hf)
+    bad = {**tiny_qwen3_moe_config(), "num_experts_per_tok": 9}
+    with pytest.raises(ConfigError, match="num_experts_per_tok 9"):
+        hf_tensor_shapes(bad)
+    glm = make_hf_model(*CASES["glm4_moe_groups"]).config.to_dict()
+    with pytest.raises(ConfigError, match="topk_group"):
+        hf_tensor_shapes({**glm, "topk_group": 7})
+
+
+def test_lora_on_moe_is_attention_only():
+    from jgrpo.config import ConfigError, LoRAConfig
+    from jgrpo.models import lora
+    from jgrpo.models.hf import config_from_hf
+    from jgrpo.models.tiny import tiny_qwen3_moe_config
+
+    cfg = config_from_hf(tiny_qwen3_moe_config())
+    attn = LoRAConfig(rank=4, target_modules=("q_proj", "o_proj"))
+    assert lora.with_lora(cfg, attn).lora.targets == ("q", "o")
+    with pytest.raises(ConfigError, match="gate_proj"):
+        lora.with_lora(cfg, LoRAConfig(rank=4))
