@@ -232,13 +232,17 @@ def test_cached_decode_matches_full_forward(hf_pair, kernels):
     _, routed = model.token_logprobs_routed(jnp.asarray(ids), jnp.asarray(mask))
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     kv_mask = jnp.asarray(mask)
-    logits, cache = model.prefill(
+    logits, cache, prompt_ids = model.prefill_routed(
         jnp.asarray(ids[:, :prompt_len]),
         jnp.asarray(positions[:, :prompt_len]),
         kv_mask[:, :prompt_len],
         total,
     )
     np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
+    real = mask[:, :prompt_len]  # padded positions route whatever their zero rows give
+    np.testing.assert_array_equal(
+        np.asarray(prompt_ids)[:, real], np.asarray(routed.expert_ids[:, :, :prompt_len])[:, real]
+    )
     layers = model.layer_weights()
     step = jax.jit(model.decode_step_routed)
     for t in range(prompt_len, total):
