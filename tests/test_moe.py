@@ -479,3 +479,34 @@ def test_lora_on_moe_is_attention_only():
     assert lora.with_lora(cfg, attn).lora.targets == ("q", "o")
     with pytest.raises(ConfigError, match="gate_proj"):
         lora.with_lora(cfg, LoRAConfig(rank=4))
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ["batch", pytest.param("slots", marks=pytest.mark.heavy), "compact"],
+)
+def test_sampler_logprobs_are_the_trainer_forward(tmp_path, mode):
+    """generate() on builtin:tiny-qwen3-moe (every row at once, decode slots, the
+    compacting loop): float32 generation logprobs = the trainer's forward (token_mult_prob_error
+    <= 1.001, 1e-4 per token)."""
+    from jgrpo.models.tiny import build_tiny_moe_model
+    from jgrpo.sampling import SamplingParams, generate
+
+    model = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    rng = np.random.RandomState(8)
+    prompts = [list(rng.randint(4, 200, n)) for n in (5, 9, 3, 7, 1)]
+    slots = dict(batch={}, slots=dict(decode_slots=2))
+    slots["compact"] = dict(compact_decode=True)
+    stops = tuple(range(100, 140))  # rows end at different lengths: slots refill, rows compact
+    params = SamplingParams(max_new_tokens=10, prompt_bucket=8, stop_token_ids=stops, **slots[mode])
+    gen = generate(model, prompts, params, jax.random.key(3))
+    assert len(set(gen.lengths.tolist())) > 2
+    p, n = gen.prompt_tokens.shape[1], gen.tokens.shape[1]
+    prompt_mask = np.arange(p)[None] >= p - gen.prompt_lengths[:, None]
+    completion_mask = np.arange(n)[None] < gen.lengths[:, None]
+    ids = np.concatenate([gen.prompt_tokens, gen.tokens], axis=1)
+    mask = np.concatenate([prompt_mask, completion_mask], axis=1)
+    lp = np.asarray(model.token_logprobs(jnp.asarray(ids), jnp.asarray(mask)))[:, p:]
+    err = float(np.mean(np.exp(np.abs(gen.logprobs - lp)[completion_mask])))
+    assert err <= 1.001, err
+    np.testing.assert_allclose(gen.logprobs[completion_mask], lp[completion_mask], atol=1e-4)
