@@ -510,3 +510,35 @@ def test_sampler_logprobs_are_the_trainer_forward(tmp_path, mode):
     err = float(np.mean(np.exp(np.abs(gen.logprobs - lp)[completion_mask])))
     assert err <= 1.001, err
     np.testing.assert_allclose(gen.logprobs[completion_mask], lp[completion_mask], atol=1e-4)
+
+
+def test_router_losses_join_the_policy_loss():
+    """losses.add_router_losses: dense forwards pass through; an MoE forward adds
+    (aux_coef x balance + z_coef x z) / M to the loss and loss/total, the HF coefficient when
+    no override, and the moe/ metrics (means divided by M, maxima kept)."""
+    from jgrpo import losses
+    from jgrpo.models.moe_transformer import MoEOutput
+
+    rng = np.random.RandomState(4)
+    logits = jnp.asarray(rng.randn(10, 4), jnp.float32)
+    probs = jax.nn.softmax(logits, -1)
+    ids = jax.lax.top_k(probs, 2)[1]
+    routing = moe_lib.Routing(ids, jnp.ones((10, 2)), probs, logits)
+    stats = moe_lib.router_stats(routing, jnp.ones(10), 4)
+    routed = MoEOutput(ids[None], moe_lib.RouterStats(*(v[None] for v in stats)))
+    spec = moe_lib.MoESpec(num_experts=4, top_k=2, expert_size=4, aux_loss_coef=0.5)
+    aux, z = moe_lib.aux_losses(routed.stats, 4)
+    metrics = {"loss/total": jnp.float32(1.0)}
+    same = losses.add_router_losses(
+        1.0, metrics, None, None, aux_coef=None, z_coef=None, num_microbatches=2
+    )
+    assert same == (1.0, metrics)
+    for aux_coef, want_coef in [(None, 0.5), (jnp.float32(0.0), 0.0), (jnp.float32(2.0), 2.0)]:
+        loss, out = losses.add_router_losses(
+            1.0, metrics, routed, spec, aux_coef=aux_coef, z_coef=0.1, num_microbatches=2
+        )
+        want = 1.0 + (want_coef * float(aux) + 0.1 * float(z)) / 2
+        np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+        np.testing.assert_allclose(float(out["loss/total"]), want, rtol=1e-6)
+        np.testing.assert_allclose(float(out["moe/aux_loss"]), float(aux) / 2, rtol=1e-6)
+        assert float(out["moe/tokens_per_expert_max"]) == float(jnp.max(stats.counts_le))
