@@ -542,3 +542,60 @@ def test_router_losses_join_the_policy_loss():
         np.testing.assert_allclose(float(out["loss/total"]), want, rtol=1e-6)
         np.testing.assert_allclose(float(out["moe/aux_loss"]), float(aux) / 2, rtol=1e-6)
         assert float(out["moe/tokens_per_expert_max"]) == float(jnp.max(stats.counts_le))
+
+
+def test_real_size_shapes_allocate_nothing():
+    """The sizes of Qwen3-30B-A3B (30.5B params, 48 MoE layers of 128 experts) and
+    GLM-4.5-Air (106B: one dense layer, then 45 MoE layers with a shared expert and a
+    selection bias) as abstract models: nothing is allocated (nnx.eval_shape)."""
+    from flax import nnx
+
+    from jgrpo.models.hf import config_from_hf, model_class
+
+    qwen = dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    glm = dict(
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+    )
+    for hf in (qwen, glm):
+        cfg = config_from_hf(hf)
+        model = nnx.eval_shape(lambda cfg=cfg: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
+        shapes = {"/".join(map(str, k)): v.shape for k, v in nnx.to_flat_state(nnx.state(model))}
+        count = sum(int(np.prod(s)) for s in shapes.values())
+        if hf is qwen:
+            assert 30.4e9 < count < 30.6e9, count  # "30.5B" on the model card
+            assert shapes["moe/expert_gate"] == (48, 128, 2048, 768)
+            assert "dense_mlp/gate" not in shapes
+        else:
+            assert cfg.rotary_dim == 64 and cfg.moe.sparse_layers == (False,) + (True,) * 45
+            assert shapes["dense_mlp/gate"] == (1, 4096, 10944)
+            assert shapes["moe/router_bias"] == (45, 128)
+            assert shapes["moe/shared_down"] == (45, 1408, 4096)
+            assert 106e9 < count < 107e9, count  # GLM-4.5-Air: "106B", no MTP layer
