@@ -482,19 +482,29 @@ def test_lora_on_moe_is_attention_only():
 
 
 @pytest.mark.parametrize(
-    "mode",
-    ["batch", pytest.param("slots", marks=pytest.mark.heavy), "compact"],
+    "source, mode",
+    [
+        ("tiny-qwen3-moe", "batch"),
+        pytest.param("tiny-qwen3-moe", "slots", marks=pytest.mark.heavy),
+        ("tiny-qwen3-moe", "compact"),
+        ("glm4_moe_groups", "batch"),
+        pytest.param("glm4_moe_groups", "slots", marks=pytest.mark.heavy),
+    ],
 )
-def test_sampler_logprobs_are_the_trainer_forward(tmp_path, mode):
-    """generate() on builtin:tiny-qwen3-moe (every row at once, decode slots, the
-    compacting loop): float32 generation logprobs = the trainer's forward (token_mult_prob_error
-    <= 1.001, 1e-4 per token)."""
+def test_sampler_logprobs_are_the_trainer_forward(tmp_path, source, mode):
+    """generate() on builtin:tiny-qwen3-moe and a random GLM (every row at once, decode slots,
+    the compacting loop): float32 generation logprobs = the trainer's forward
+    (token_mult_prob_error <= 1.001, 1e-4 per token)."""
     from jgrpo.models.tiny import build_tiny_moe_model
     from jgrpo.sampling import SamplingParams, generate
 
-    model = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    if source == "tiny-qwen3-moe":
+        model = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    else:
+        make_hf_model(*CASES[source]).save_pretrained(tmp_path / "glm")
+        model = from_pretrained(tmp_path / "glm")
     rng = np.random.RandomState(8)
-    prompts = [list(rng.randint(4, 200, n)) for n in (5, 9, 3, 7, 1)]
+    prompts = [list(rng.randint(4, 100, n)) for n in (5, 9, 3, 7, 1)]
     slots = dict(batch={}, slots=dict(decode_slots=2))
     slots["compact"] = dict(compact_decode=True)
     stops = tuple(range(100, 140))  # rows end at different lengths: slots refill, rows compact
