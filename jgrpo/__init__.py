@@ -4,6 +4,8 @@ The public API (imported lazily, so `import jgrpo` stays cheap and imports no JA
 
     jgrpo.GRPOTrainer(config, *, train_dataset=None, eval_dataset=None, reward_funcs=None,
                       run_dir=None, overrides=()).train() -> jgrpo.TrainResult
+    jgrpo.GRPOTrainer(model=..., reward_funcs=..., args=jgrpo.GRPOConfig(...),
+                      train_dataset=..., peft_config=...)     # TRL's names (docs/trl.md)
     jgrpo.load_config(path, overrides) -> jgrpo.Config        # jgrpo.ConfigError on bad input
 
 The CLI is `jgrpo train --config ...`; both run `jgrpo.train.run(config, run_dir)`.
@@ -36,6 +38,7 @@ _enough_cpu_threads()
 _EXPORTS = {
     "GRPOTrainer": "jgrpo.api",
     "TrainResult": "jgrpo.api",
+    "GRPOConfig": "jgrpo.trl_config",
     "Config": "jgrpo.config",
     "ConfigError": "jgrpo.config",
     "load_config": "jgrpo.config",

@@ -4,15 +4,14 @@
         "configs/tiny.yaml",                               # a path, a dict or a jgrpo Config
         train_dataset=[{"prompt": "Say hi"}],              # list of dicts or datasets.Dataset
         reward_funcs=brevity,                              # callables, "module:function", models
-        run_dir="runs/notebook",
-        overrides=["data.task=prompts"],                   # dotted overrides, as on the CLI
-    )
+        run_dir="runs/notebook", overrides=["data.task=prompts"])   # dotted, as on the CLI
     result = trainer.train()      # result.history, result.metrics, result.model_dir (final/)
 
-It runs the CLI's loop (`jgrpo.train.run`), validated like the CLI: `reward_funcs` (weight 1,
-`(function, weight)` pairs, RewardFunctionConfig items; a string without `:` is a reward model),
-`tools=[fn]` and `environment=Class` join data.* before `validate`; Python datasets replace
-data.train_path / data.val_path; notebook functions reach child processes by cloudpickle."""
+Or TRL's shape: `GRPOTrainer(model=..., reward_funcs=..., args=jgrpo.GRPOConfig(...),
+train_dataset=..., peft_config=...)` (`jgrpo.trl_config`, docs/trl.md). It runs the CLI's loop
+(`jgrpo.train.run`), validated like the CLI; the keys apply in the order config, args, model,
+peft_config, overrides; reward functions, tools and environment join data.* before
+`validate`; a train_dataset makes data.task `prompts` unless the config names a task."""
 
 from __future__ import annotations
 
@@ -86,26 +85,90 @@ def _reward_items(reward_funcs) -> list[dict]:
     return items
 
 
+def _set_keys(data: dict, keys: dict[str, Any]) -> dict:
+    """`data` with each dotted key set to its value (sections copied, never mutated)."""
+    data = dict(data)
+    for dotted, value in keys.items():
+        *path, leaf = dotted.split(".")
+        node = data
+        for part in path:
+            node[part] = dict(node.get(part) or {})
+            node = node[part]
+        node[leaf] = value
+    return data
+
+
+def _model_path(model: Any) -> str:
+    """`model=` takes what model.path takes: a folder, hub id, `smollm2`, `builtin:...`."""
+    if isinstance(model, (str, Path)):
+        return str(model)
+    raise ConfigError(
+        f"model: expected what model.path takes (an HF folder, a hub id, smollm2, "
+        f"builtin:tiny-qwen2), got {type(model).__name__}; jgrpo loads the model itself"
+    )
+
+
+def _trl_keys(data: dict, args, model, peft_config, train_dataset) -> dict[str, Any]:
+    """The dotted keys of TRL's arguments (jgrpo.trl_config)."""
+    from jgrpo.trl_config import GRPOConfig, jgrpo_keys, lora_keys
+
+    keys: dict[str, Any] = {}
+    if args is not None:
+        if not isinstance(args, GRPOConfig):
+            raise ConfigError(f"args: expected a jgrpo.GRPOConfig, got {type(args).__name__}")
+        keys |= jgrpo_keys(args, dict(data.get("grpo") or {}))
+    if model is not None:
+        keys["model.path"] = _model_path(model)
+    if peft_config is not None:
+        keys |= lora_keys(peft_config)
+    if train_dataset is not None and "task" not in (data.get("data") or {}):
+        keys["data.task"] = "prompts"
+    return keys
+
+
+def _weighted(items: list[dict], weights) -> list[dict]:
+    """GRPOConfig.reward_weights: one weight per reward function, given once."""
+    if weights is None:
+        return items
+    if len(weights) != len(items):
+        raise ConfigError(
+            f"GRPOConfig.reward_weights: {len(weights)} weights for {len(items)} reward functions"
+        )
+    for i, item in enumerate(items):
+        if "weight" in item:
+            raise ConfigError(f"reward_funcs[{i}]: a weight here and in GRPOConfig.reward_weights")
+    return [{**item, "weight": w} for item, w in zip(items, weights)]
+
+
 def build_config(
     config: Union[str, Path, dict, Config, None],
     overrides: Sequence[str] = (),
     reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
     tools: Sequence[Union[str, Callable[..., Any]]] = (),
     environment: Union[str, type, None] = None,
+    *,
+    args=None,
+    model=None,
+    peft_config=None,
+    train_dataset=None,
 ) -> Config:
-    """The validated Config of a path / dict / Config plus overrides, reward functions, tools
-    (appended to data.tools) and an environment class (data.environment)."""
+    """The validated Config of a path / dict / Config, then TRL's `args` (a jgrpo.GRPOConfig),
+    `model` and `peft_config`, then overrides; plus reward functions, tools (appended to
+    data.tools) and an environment class (data.environment)."""
     if config is None or isinstance(config, (str, Path)):
-        data = read_config(config, list(overrides))  # validated below, with the functions
+        data = read_config(config)  # validated below, with the functions
     elif isinstance(config, Config):
-        data = apply_overrides(_raw(config), list(overrides)) if overrides else _raw(config)
+        data = _raw(config)
     elif isinstance(config, dict):
-        data = apply_overrides(config, list(overrides)) if overrides else dict(config)
+        data = dict(config)
     else:
         raise ConfigError(
             f"config: expected a YAML path, a dict or a jgrpo Config, got {type(config).__name__}"
         )
-    extra = _reward_items(reward_funcs)
+    data = _set_keys(data, _trl_keys(data, args, model, peft_config, train_dataset))
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+    extra = _weighted(_reward_items(reward_funcs), getattr(args, "reward_weights", None))
     if extra or tools or environment is not None:
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
@@ -134,10 +197,31 @@ class GRPOTrainer:
         overrides: Sequence[str] = (),
         tools: Sequence[Union[str, Callable[..., Any]]] = (),
         environment: Union[str, type, None] = None,
+        model=None,
+        args=None,
+        peft_config=None,
+        **unsupported: Any,
     ):
-        self.config = build_config(config, overrides, reward_funcs, tools, environment)
+        for name in unsupported:
+            raise ConfigError(f"GRPOTrainer: {name} is not supported (docs/trl.md)")
+        self.config = build_config(
+            config,
+            overrides,
+            reward_funcs,
+            tools,
+            environment,
+            args=args,
+            model=model,
+            peft_config=peft_config,
+            train_dataset=train_dataset,
+        )
+        self.args = args
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
+        output_dir = getattr(args, "output_dir", None)
+        if run_dir is not None and output_dir is not None:
+            raise ConfigError("run_dir: give run_dir or GRPOConfig.output_dir, not both")
+        run_dir = run_dir or output_dir
         self.run_dir = Path(run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
 
     def train(self, resume: bool = False) -> TrainResult:

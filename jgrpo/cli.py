@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         help="completion lengths (uniform | skewed | L1,L2,...): real vs padded vs packed "
         "tokens and flops of the step",
     )
+    insp.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="a device's memory, a number and a unit (MB, GB, TB, MiB, GiB, TiB): whether the step "
+        "fits one device, and by how much",
+    )
 
     ex = sub.add_parser("export", help="checkpoint -> HF folder")
     ex.add_argument("run_dir", help="run folder (its latest checkpoint) or a checkpoint folder")
@@ -158,15 +164,24 @@ def _dispatch(args) -> int:
         )
         return 0
 
+    from jgrpo.tasks.child import add_user_folders
+
+    add_user_folders(args.config)  # reward, tool and environment modules found as by Python
+    memory = None
+    if args.command == "inspect-step" and args.device_memory is not None:
+        from jgrpo.inspect_report import parse_device_memory
+
+        memory = parse_device_memory(args.device_memory)
     cfg = load_config(args.config, args.overrides)
     if args.command == "inspect-step":
+        from jgrpo.inspect_report import device_fit, format_report
         from jgrpo.inspect_step import inspect_step
 
         report = inspect_step(cfg, compile=not args.no_compile, lengths=args.lengths)
-        if not args.json:
-            for key, value in report.items():
-                print(f"{key:28s} {value}")
-        print(json.dumps(report))
+        if args.json:
+            print(json.dumps(report | (device_fit(report, memory) if memory else {})))
+        else:
+            print(format_report(report, memory and (memory, args.device_memory)))
         return 0
     if args.command == "eval":
         _check_model_and_data(cfg)
@@ -322,6 +337,7 @@ def _train(cfg, args) -> int:
     _check_model_and_data(cfg)
     distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
+    from jgrpo.tasks.child import UserCodeError
 
     train.check_run(cfg)
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
@@ -337,8 +353,10 @@ def _train(cfg, args) -> int:
         raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
     try:
         history = train.run(cfg, run_dir, resume=args.resume)
-    except train.RunStopped as e:
+    except (train.RunStopped, UserCodeError) as e:  # UserCodeError: data.reward_errors: raise
         print(f"jgrpo: stopped: {e}", file=sys.stderr)
+        if isinstance(e, UserCodeError) and distributed.is_multiprocess():
+            distributed.abort(1)  # one host's rows failed: its peers wait on it in a collective
         return 1
     except BaseException:
         if distributed.is_multiprocess():  # peers may wait on this process: do not linger

@@ -67,12 +67,19 @@ def sampled_metrics(result: RolloutResult, num_examples: int, n: int, ks) -> dic
     return out
 
 
+def has_held_out(task) -> bool:
+    """Some set has examples (record data without a val source has none: no validation)."""
+    return bool(task.val) or any(vt.val for vt in task.val_tasks.values())
+
+
 def validate_all(cfg: Config, backend, task, step: int) -> dict[str, float]:
     """Every set's metrics (module docstring) with the backend's current weights."""
     g = cfg.grpo
     sets = [("val", None, task.val), *((n, n, vt.val) for n, vt in task.val_tasks.items())]
     metrics: dict[str, float] = {}
     for name, val_set, examples in sets:
+        if not examples:  # record data with no held-out set (jgrpo.tasks.task): nothing to score
+            continue
         prefix = "val/" if val_set is None else f"val/{name}/"
         result = backend.evaluate(examples, step, pass_k=1, val_set=val_set)
         metrics |= {prefix + k: v for k, v in greedy_metrics(result).items()}

@@ -137,6 +137,12 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
 
     compile_cache.enable()
     task = make_task(cfg.data, cfg.grpo.seed)
+    if not task.val and not task.val_tasks:
+        task.close()
+        raise ConfigError(
+            "data.val_path: nothing to evaluate; give data.val_path, data.val_fraction or "
+            "data.val_sets"
+        )
     if checkpoint is not None:
         model, folder, _ = load_checkpoint_model(checkpoint, cfg)
     else:

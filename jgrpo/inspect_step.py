@@ -10,7 +10,8 @@ reference copy, reward models, arguments and XLA's temporaries, and a peak estim
 sampler's KV cache; the named forwards present in the compiled and the traced program
 (`forwards_in_hlo`, `forwards_in_jaxpr`: the probes the static-flag proofs use) and dot counts;
 for a completion-length distribution (`--lengths`), `packing_report`: real vs padded vs packed
-tokens and flops. docs/precision-and-memory.md describes every JSON key.
+tokens and flops. docs/precision-and-memory.md describes every JSON key; its text form and the
+`--device-memory` verdict: `jgrpo.inspect_report`.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from flax import nnx
 from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
+from jgrpo.config.rules import needs_chat_turns
 from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger
 from jgrpo.models import load_policy, policy_folder
@@ -80,7 +81,8 @@ class Trainer:
 
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
+    check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
     sharding.make_rules(cfg.mesh)
     step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
@@ -264,7 +266,8 @@ def run(
             data_states[s], examples = t.draws.draw(t.task.train, s, g.gen_prompts_per_batch)
             t.backend.request(s, examples)
         t.draws.done(t.task.train)
-        if g.val_at_start and t.start_step == 0:
+        held_out = evaluation.has_held_out(t.task)
+        if g.val_at_start and t.start_step == 0 and held_out:
             val = validate(t, 0)
             history.append({"step": 0, **val})
             logger.log(0, val)
@@ -272,7 +275,7 @@ def run(
             metrics = train_one_step(t, s, data_states, logger)
             done = s + 1
             periodic = g.val_period and done % g.val_period == 0
-            if periodic or (g.val_at_end and done == g.max_num_steps):
+            if held_out and (periodic or (g.val_at_end and done == g.max_num_steps)):
                 val = validate(t, done)
                 history.append({"step": done, **val})
                 metrics |= val
@@ -327,7 +330,6 @@ def train_one_step(
     tokens = float(rows["lengths"].sum())
     staleness = s - rows["weight_version"]
     return {
-        "loss": metrics["loss/total"],
         **metrics,
         **result.stats,
         **sync,

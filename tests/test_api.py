@@ -48,7 +48,7 @@ def matches_target(prompts, completions, target, **kwargs):
 """
 QUICK = [
     "data.task=prompts",
-    "data.num_val_examples=2",
+    "data.val_fraction=0.34",
     "grpo.max_num_steps=3",
     "grpo.val_at_start=false",
     "grpo.val_at_end=true",
@@ -230,7 +230,7 @@ def test_import_jgrpo_is_cheap_and_curated():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(
-        sorted(["Config", "ConfigError", "GRPOTrainer", "TrainResult", "load_config"])
+        sorted(["Config", "ConfigError", "GRPOConfig", "GRPOTrainer", "TrainResult", "load_config"])
     )
 
 
@@ -302,3 +302,310 @@ def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
         "data.prompt_key: the dataset has chat-message prompts but the tokenizer "
         "of model.path 'builtin:tiny-qwen2' has no chat template"
     ), err
+
+
+# ----------------------------------------------------------------------------- defaults that run
+
+
+def test_default_lengths_fit_the_default_model_and_the_length_error_says_what_to_set():
+    """A config setting only data.task resolves and passes the model pre-flight: the default
+    rollout lengths (prompt_bucket + max_new_tokens) fit the default model's positions."""
+    cfg = jgrpo.GRPOTrainer({"data": {"task": "arithmetic"}}).config
+    assert cfg.model.path == "builtin:tiny-qwen2"
+    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    check_model_path("builtin:tiny-qwen2-chat", 32 + 256)
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout\.prompt_bucket \+ rollout\.max_new_tokens = 4096 exceeds "
+        r"max_position_embeddings 2048 of .*: lower rollout\.max_new_tokens \(or "
+        r"rollout\.prompt_bucket\) so that they sum to at most 2048$",
+    ):
+        check_model_path(cfg.model.path, 4096)
+
+
+@pytest.mark.slow  # one GRPO step at the default lengths (288 tokens a row) through the CLI
+def test_a_config_of_only_data_task_trains(tmp_path, capsys):
+    (tmp_path / "min.yaml").write_text("data:\n  task: arithmetic\n")
+    small = [  # fewer rows and steps; the lengths and the model stay the defaults
+        "grpo.max_num_steps=1",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.val_at_start=false",
+        "data.num_val_examples=2",
+        "logging.tensorboard=false",
+        "logging.plot=false",
+    ]
+    run_dir = tmp_path / "run"
+    argv = ["train", "--config", str(tmp_path / "min.yaml"), "--run-dir", str(run_dir), *small]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1] and "val/accuracy" in rows[0]
+
+
+# ----------------------------------------------------------------------------- TRL's shape
+
+
+def _zero(prompts, completions, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def _length(prompts, completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+# every TRL name GRPOConfig maps, with a value that differs from jgrpo's default
+TRL_ARGS = dict(
+    learning_rate=1e-4,
+    weight_decay=0.01,
+    adam_beta1=0.8,
+    adam_beta2=0.99,
+    adam_epsilon=1e-6,
+    warmup_steps=1,
+    lr_scheduler_type="cosine",
+    max_grad_norm=0.5,
+    num_generations=4,
+    num_generations_eval=2,
+    per_device_train_batch_size=8,
+    gradient_accumulation_steps=1,
+    steps_per_generation=2,
+    max_steps=4,
+    seed=3,
+    max_completion_length=8,
+    temperature=0.9,
+    top_p=0.95,
+    top_k=5,
+    beta=0.01,
+    epsilon=0.1,
+    epsilon_high=0.3,
+    loss_type="dr_grpo",
+    scale_rewards="none",
+    importance_sampling_level="sequence",
+    mask_truncated_completions=True,
+    shuffle_dataset=False,
+    save_steps=2,
+    save_total_limit=1,
+    eval_strategy="steps",
+    eval_steps=2,
+    eval_on_start=False,
+    bf16=False,
+    gradient_checkpointing=False,
+    report_to="none",
+    reward_weights=[1.0, 0.5],
+    num_iterations=1,
+    use_vllm=False,
+    remove_unused_columns=False,
+)
+# the same run written by hand in jgrpo's keys
+HAND = {
+    "model": {
+        "path": "builtin:tiny-qwen2",
+        "compute_dtype": "float32",
+        "remat": "none",
+        "lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]},
+    },
+    "data": {
+        "task": "prompts",
+        "shuffle": False,
+        "reward_functions": [
+            {"function": _zero, "weight": 1.0},
+            {"function": _length, "weight": 0.5},
+        ],
+    },
+    "grpo": {
+        "num_prompts_per_step": 4,
+        "num_generations_per_prompt": 4,
+        "num_minibatches": 2,
+        "num_microbatches": 1,
+        "max_num_steps": 2,
+        "val_period": 1,
+        "val_at_start": False,
+        "val_num_generations": 2,
+        "seed": 3,
+        "advantage": {"normalize_rewards": False},
+    },
+    "loss": {
+        "ratio_clip_min": 0.1,
+        "ratio_clip_max": 0.3,
+        "reference_policy_kl_penalty": 0.01,
+        "aggregation": "seq_sum_norm",
+        "sequence_level_importance_ratios": True,
+        "overlong_filtering": True,
+    },
+    "optim": {
+        "learning_rate": 1e-4,
+        "weight_decay": 0.01,
+        "b1": 0.8,
+        "b2": 0.99,
+        "eps": 1e-6,
+        "warmup_steps": 1,
+        "schedule": "cosine",
+        "max_grad_norm": 0.5,
+    },
+    "rollout": {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95, "top_k": 5},
+    "checkpoint": {"save_period": 1, "keep_last": 1},
+    "logging": {"tensorboard": False, "wandb": False},
+}
+
+
+def _trl_trainer(tmp_path, **extra):
+    peft = pytest.importorskip("peft")
+    return jgrpo.GRPOTrainer(
+        model="builtin:tiny-qwen2",
+        reward_funcs=[_zero, _length],
+        args=jgrpo.GRPOConfig(**TRL_ARGS, output_dir=str(tmp_path / "trl"), **extra),
+        train_dataset=[{"prompt": f"{a}+{a}="} for a in range(6)],
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"]),
+    )
+
+
+def test_trl_shaped_call_resolves_to_the_jgrpo_config_written_by_hand(tmp_path):
+    from jgrpo.api import build_config
+
+    trainer = _trl_trainer(tmp_path)
+    assert trainer.config == build_config(HAND)
+    assert trainer.run_dir == tmp_path / "trl"
+    # an argument left out keeps jgrpo's default, not TRL's (max_completion_length 512, ...)
+    args = jgrpo.GRPOConfig()
+    args.max_completion_length = 8  # set after construction, as TRL scripts do: checked too
+    assert args.given == {"max_completion_length": 8} and args.top_p is None
+    with pytest.raises(ConfigError, match=r"^GRPOConfig: logging_steps is not supported"):
+        args.logging_steps = 5
+    args = jgrpo.GRPOConfig()
+    plain = jgrpo.GRPOTrainer(reward_funcs=_zero, args=args, train_dataset=[{}])
+    assert plain.config == build_config({"data": {"task": "prompts"}}, reward_funcs=_zero)
+    assert plain.config.data.wraps_string_prompts is False  # TRL: string prompts verbatim
+    # only a dataset and a reward: task prompts on the default model, lengths that fit it
+    bare = jgrpo.GRPOTrainer(train_dataset=[{"prompt": "hi"}], reward_funcs=_zero).config
+    assert bare == plain.config and bare.model.path == "builtin:tiny-qwen2"
+    check_model_path(bare.model.path, bare.rollout.prompt_bucket + bare.rollout.max_new_tokens)
+
+
+@pytest.mark.parametrize(
+    "trl, key, value",
+    [
+        ({"epsilon": 0.25}, "loss.ratio_clip_max", 0.25),  # epsilon_high defaults to epsilon
+        ({"loss_type": "dapo"}, "loss.aggregation", "token_mean"),
+        ({"loss_type": "grpo"}, "loss.aggregation", "seq_mean"),
+        ({"scale_rewards": True}, "grpo.advantage.normalize_rewards", True),
+        ({"scale_rewards": "group"}, "grpo.advantage.normalize_rewards", True),
+        ({"importance_sampling_level": "token"}, "loss.sequence_level_importance_ratios", False),
+        ({"lr_scheduler_type": "constant_with_warmup"}, "optim.schedule", "constant"),
+        ({"lr_scheduler_type": "linear"}, "optim.schedule", "linear"),
+        ({"max_grad_norm": 0}, "optim.max_grad_norm", None),
+        ({"top_k": 0}, "rollout.top_k", None),
+        ({"bf16": True}, "model.compute_dtype", "bfloat16"),
+        ({"gradient_checkpointing": True}, "model.remat", "full"),
+        ({"report_to": ["wandb", "tensorboard"]}, "logging.wandb", True),
+        ({"eval_strategy": "no"}, "grpo.val_at_end", False),
+        ({"max_steps": -1}, "grpo.max_num_steps", 100),  # TRL's "unset"
+        ({"generation_batch_size": 16}, "grpo.num_prompts_per_step", 2),  # 16 rows / G 8
+        ({"generation_batch_size": 16}, "grpo.num_minibatches", 2),  # 16 / per_device 8
+        ({"per_device_train_batch_size": 16}, "grpo.num_prompts_per_step", 2),
+        ({"gradient_accumulation_steps": 2}, "grpo.num_microbatches", 2),
+        ({"gradient_accumulation_steps": 2}, "grpo.num_prompts_per_step", 2),
+    ],
+)
+def test_each_trl_name_maps_to_its_jgrpo_key(trl, key, value):
+    import functools
+
+    cfg = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(**trl)).config
+    assert functools.reduce(getattr, key.split("."), cfg) == value
+
+
+def test_trl_batch_arithmetic_uses_the_base_config_group_size():
+    """tiny.yaml has G = 4: 8 rows a generation are 2 prompts of 4, not 1 of TRL's 8."""
+    args = jgrpo.GRPOConfig(per_device_train_batch_size=8)
+    cfg = jgrpo.GRPOTrainer(TINY, args=args).config
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "trl, message",
+    [
+        ({"use_vllm": True}, r"^GRPOConfig\.use_vllm: True is not supported"),
+        ({"max_prompt_length": 256}, r"^GRPOConfig: max_prompt_length is not supported"),
+        ({"num_train_epochs": 3}, r"^GRPOConfig: num_train_epochs is not supported"),
+        ({"logging_steps": 10}, r"^GRPOConfig: logging_steps is not supported"),
+        ({"vllm_mode": "colocate"}, r"^GRPOConfig: vllm_mode is not a TRL argument jgrpo"),
+        ({"num_iterations": 2}, r"^GRPOConfig\.num_iterations: 2 must be 1"),
+        ({"loss_type": "bnpo"}, r"^GRPOConfig\.loss_type: 'bnpo' must be one of"),
+        ({"scale_rewards": "batch"}, r"^GRPOConfig\.scale_rewards: 'batch' must be"),
+        ({"eval_strategy": "epoch"}, r"^GRPOConfig\.eval_strategy: 'epoch'"),
+        ({"lr_scheduler_type": "polynomial"}, r"^GRPOConfig\.lr_scheduler_type: 'polynomial'"),
+        ({"report_to": "mlflow"}, r"^GRPOConfig\.report_to: 'mlflow'"),
+        ({"generation_batch_size": 12}, r"^GRPOConfig\.generation_batch_size: 12 must be a"),
+        (
+            {"generation_batch_size": 16, "steps_per_generation": 2},
+            r"^GRPOConfig\.generation_batch_size: 16 and steps_per_generation",
+        ),
+        (
+            {"steps_per_generation": 3, "gradient_accumulation_steps": 2},
+            r"^GRPOConfig\.steps_per_generation: 3 must be a multiple of gradient_acc",
+        ),
+        (
+            {"max_steps": 3, "steps_per_generation": 2},
+            r"^GRPOConfig\.max_steps: 3 must be a multiple of 2 optimizer steps",
+        ),
+    ],
+)
+def test_unsupported_trl_arguments_are_one_line_errors_naming_them(trl, message):
+    with pytest.raises(ConfigError, match=message):
+        jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(**trl))
+
+
+def test_peft_config_and_model_errors():
+    peft = pytest.importorskip("peft")
+    from jgrpo.config import LoRAConfig
+
+    def trainer(**kw):
+        return jgrpo.GRPOTrainer(**{"reward_funcs": _zero, **kw})
+
+    own = LoRAConfig(rank=2, alpha=4.0, target_modules=("q_proj",))
+    assert trainer(peft_config=own).config.model.lora == own
+    every = trainer(peft_config=peft.LoraConfig(r=2, target_modules="all-linear"))
+    assert every.config.model.lora == LoRAConfig(rank=2, alpha=8.0)  # peft's lora_alpha 8
+    for kw, message in [
+        ({"lora_dropout": 0.05}, r"^peft_config\.lora_dropout: 0\.05 is not supported"),
+        ({"use_dora": True}, r"^peft_config\.use_dora: True is not supported"),
+        ({"use_rslora": True}, r"^peft_config\.use_rslora: True"),
+        ({"bias": "all"}, r"^peft_config\.bias: 'all'"),
+        ({"target_modules": None}, r"^peft_config\.target_modules: None"),
+        ({"target_modules": ["c_attn"]}, r"^model\.lora\.target_modules"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            trainer(peft_config=peft.LoraConfig(r=2, **{"target_modules": ["q_proj"], **kw}))
+    with pytest.raises(ConfigError, match=r"^peft_config: expected a peft\.LoraConfig"):
+        trainer(peft_config={"r": 2})
+    with pytest.raises(ConfigError, match=r"^model: expected what model\.path takes"):
+        trainer(model=object())
+    with pytest.raises(ConfigError, match=r"^GRPOTrainer: processing_class is not supported"):
+        trainer(processing_class=None)
+    with pytest.raises(ConfigError, match=r"^args: expected a jgrpo\.GRPOConfig"):
+        trainer(args={"learning_rate": 1.0})
+    with pytest.raises(ConfigError, match=r"^run_dir: give run_dir or GRPOConfig\.output_dir"):
+        trainer(args=jgrpo.GRPOConfig(output_dir="a"), run_dir="b")
+    with pytest.raises(ConfigError, match=r"^reward_funcs\[0\]: a weight here and in GRPOConfig"):
+        trainer(args=jgrpo.GRPOConfig(reward_weights=[1.0]), reward_funcs=[(_zero, 2.0)])
+
+
+@pytest.mark.slow  # 2 GRPO steps of the tiny model through the TRL-shaped call
+def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
+    trainer = _trl_trainer(tmp_path)
+    result = trainer.train()
+    assert [r["step"] for r in result.metrics] == [1, 2]
+    assert result.history == []  # no eval_dataset: nothing held out, no validation
+    assert all(r["reward/_length/mean"] is not None for r in result.metrics)
+    assert (result.model_dir / "model.safetensors").is_file()
+    assert result.run_dir == tmp_path / "trl"
+
+
+def test_eval_without_a_held_out_set_is_one_line(tmp_path, capsys):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    argv = ["eval", "--config", TINY, "data.task=gsm8k", f"data.train_path={data}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "data.val_path: nothing to evaluate; give data.val_path, data.val_fraction or data.val_sets"
+    )
+    assert len(err.splitlines()) == 1

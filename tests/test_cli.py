@@ -158,7 +158,7 @@ def test_tiny_run_through_cli(capsys, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(set(r) == set(rows[0]) for r in rows)
     for r in rows[1:]:
-        assert math.isfinite(r["loss"]) and 0.0 <= r["reward/mean"] <= 1.0
+        assert math.isfinite(r["loss/total"]) and 0.0 <= r["reward/mean"] <= 1.0
         assert r["train/skipped_updates"] == 0.0
     assert rows[0]["val/accuracy"] is not None and rows[3]["val/accuracy"] is not None
     assert rows[1]["val/accuracy"] is None
@@ -357,7 +357,7 @@ def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
         "rollout.prompt_bucket=64",
     ]
     for name, task in {
-        "gsm8k": ["data.task=gsm8k", f"data.train_path={data}"],
+        "gsm8k": ["data.task=gsm8k", f"data.train_path={data}", "data.val_fraction=0.5"],
         "countdown": ["data.task=countdown", "data.countdown_num_numbers=3"],
     }.items():
         run_dir = tmp_path / name
@@ -368,7 +368,7 @@ def test_gsm8k_jsonl_and_countdown_runs(capsys, tmp_path):
         rows = read_metrics(run_dir)
         assert [r["step"] for r in rows] == [1, 2], name
         assert 0.0 <= rows[-1]["val/accuracy"] <= 1.0
-        assert all(math.isfinite(r["loss"]) for r in rows)
+        assert all(math.isfinite(r["loss/total"]) for r in rows)
 
 
 _KILL_IN_SAVE = """

@@ -5,6 +5,7 @@ The references are the chat template's own renderings, tokenised whole, and the 
 offsets of the assistant turns in them: a multi-turn row must be exactly that token sequence,
 with the loss mask on exactly the assistant turns' tokens."""
 
+import json
 import re
 import textwrap
 import time
@@ -14,7 +15,7 @@ from conftest import importable_modules
 from transformers import AutoTokenizer
 
 from jgrpo.config import ConfigError, DataConfig
-from jgrpo.models.sources import resolve_model_path
+from jgrpo.models.sources import check_model_path, resolve_model_path
 from jgrpo.models.tiny import CHAT_TOKENS, TOOL_TOKENS, build_tiny_model
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.tool_calls import ToolCall, parse_tool_calls
@@ -165,6 +166,13 @@ def test_hermes_tool_calls():
     assert turn.message()["tool_calls"][1] == call("f", x=2)
     bad = parse_tool_calls("<tool_call>{oops</tool_call><tool_call>[1]</tool_call>", "hermes")
     assert bad.calls == () and len(bad.errors) == 2 and "not valid JSON" in bad.errors[0]
+    mixed = parse_tool_calls(
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{oops</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>',
+        "hermes",
+    )  # every block in the order of the text, the malformed one in its place
+    assert mixed.blocks[0] == ToolCall("a", {}) and mixed.blocks[2] == ToolCall("b", {})
+    assert mixed.blocks[1].startswith("error: the tool call is not valid JSON")
     plain = parse_tool_calls("  42 ", "hermes")
     assert (
         plain.content == "42"
@@ -398,3 +406,54 @@ def test_multi_turn_config_rules_and_the_python_api():
     assert cfg.data.tools == (calculator,) and cfg.data.environment is None
     cfg = build_config(None, ["data.task=prompts"], environment=Game)  # no reward function needed
     assert cfg.data.environment is Game
+
+
+# ----------------------------------------------------------------------------- turn-end tokens
+
+
+def base_model_folder(folder, template=None):
+    """The tiny chat model as a Qwen2.5 *base* model ships: its EOS (tokenizer and config.json)
+    is a token the template never writes (<eos> here, <|endoftext|> there), while its ChatML
+    template ends each turn with <|im_end|>; `template` replaces the chat template."""
+    build_tiny_model(folder, chat=True)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["eos_token"] = "<eos>"
+    if template is not None:
+        tok_config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 1}))
+    return folder
+
+
+def test_a_turn_end_token_that_is_not_the_eos_becomes_a_stop_token(tmp_path):
+    tok = AutoTokenizer.from_pretrained(base_model_folder(tmp_path / "base"))
+    im_end = tok.convert_tokens_to_ids(CHAT_TOKENS[1])
+    assert tok.eos_token_id == 1 != im_end
+    chat = ChatFormat(tok, [tok.eos_token_id])
+    assert chat.stop_ids == (1, im_end)
+    reply = chat.reply_ids([{"role": "tool", "name": "f", "content": "7"}])
+    assert tok.decode(reply) == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response>" + (
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat.assistant_ids({"role": "assistant", "content": "hi"})[-1] == im_end
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_check_turn_template_before_any_load(tmp_path):
+    """model.path's template is checked with config.json, for multi-turn runs only: one line
+    naming what to set; the base-model case (EOS is not the turn end) passes."""
+    check_model_path(str(base_model_folder(tmp_path / "base")), multi_turn=True)
+    plain = str(base_model_folder(tmp_path / "plain", PLAIN_TEMPLATE))
+    check_model_path(plain)  # single-turn: the template does not matter
+    with pytest.raises(ConfigError) as e:
+        check_model_path(plain, multi_turn=True)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"model.path: {plain!r}: multi-turn")
+    assert "ends an assistant turn with none of the stop tokens ['<eos>']" in message
+    assert "set rollout.max_turns: 1" in message

@@ -59,7 +59,7 @@ def test_shaping_keeps_the_unshaped_reward_and_filtering_keeps_truncated_rows_in
     np.testing.assert_allclose(adv[1], -0.25 / (np.sqrt(0.125) + 1e-6), rtol=1e-6)
     assert adv[0] == 0.0
     stats = batch_stats(b)
-    assert stats["completions/clipped_ratio"] == 0.25
+    assert stats["length/truncation_rate"] == 0.25
     assert stats["reward/overlong/mean"] == -0.375
     # unshaped rewards: group 0 = {1, 0}, group 1 = {0, 1}: no group is all equal
     assert stats["batch/frac_reward_zero_std"] == 0.0

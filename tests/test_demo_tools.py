@@ -114,5 +114,5 @@ def test_warm_start_then_grpo_calls_the_calculator(warm_start, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["tools/calls"] >= 4 and r["turns/max"] == 2 and r["turns/mean"] > 1
-        assert 0 < r["tokens/tool_fraction"] < 1 and np.isfinite(r["loss"])
+        assert 0 < r["tokens/tool_fraction"] < 1 and np.isfinite(r["loss/total"])
         assert r["perf/tools_s"] > 0

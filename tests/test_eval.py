@@ -288,6 +288,7 @@ def test_each_val_set_is_prompted_and_scored_by_its_own_task(capsys, tmp_path, m
         TINY,
         "data.task=prompts",
         f"data.train_path={train}",
+        "data.val_fraction=0.5",
         "data.reward_functions=[{function: 'val_rewards:half'}]",
         f"data.val_sets={{arith: {{path: {arith}, task: arithmetic}}, bonus: {{path: {bonus}, "
         "reward_functions: [{function: 'val_rewards:bonus'}]}}",

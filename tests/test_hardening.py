@@ -230,8 +230,8 @@ CASES = [
     ("val-examples-huge", [*T, "data.num_val_examples=1000000000"], "data.num_val_examples", True),
     (
         "beyond-max-position",
-        [*T, "rollout.max_new_tokens=300"],
-        "max_position_embeddings 256",
+        [*T, "rollout.max_new_tokens=3000"],
+        "max_position_embeddings 2048",
         True,
     ),
     # mesh.rules

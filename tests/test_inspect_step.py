@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jgrpo.config import load_config
+from jgrpo import cli
+from jgrpo.config import ConfigError, load_config
+from jgrpo.inspect_report import format_report, parse_device_memory
 from jgrpo.inspect_step import hlo_dot_flops, inspect_step
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
@@ -308,3 +310,145 @@ def test_packing_report_compiled_flops_match_the_shapes(head):
     assert report["flops_padded"] == report["flops_padded_analytic"] == report["flops"]
     assert report["flops_packed"] == report["flops_packed_analytic"]
     assert report["flops_packed"] < 0.5 * report["flops_padded"]
+
+
+# ----------------------------------------------------------------------------- text and verdict
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("80GB", 80 * 10**9),
+        ("80GiB", 80 * GIB),
+        ("80 gib", 80 * GIB),
+        ("16000MB", 16 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("2TB", 2 * 10**12),
+    ],
+)
+def test_device_memory_sizes(text, size):
+    assert parse_device_memory(text) == size
+
+
+@pytest.mark.parametrize("text", ["80", "80XB", "GB", "-1GB", "0GB", "eighty GB", "80 G B", ""])
+def test_malformed_device_memory_is_refused(text):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--device-memory: .* is not a size: a positive number and one of the units",
+    ):
+        parse_device_memory(text)
+
+
+def test_malformed_device_memory_exits_2_before_the_config_is_read(capsys):
+    """The flag is checked first: a missing config file is not even looked at."""
+    argv = ["inspect-step", "--config", "/nonexistent/c.yaml", "--device-memory", "80XB"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "jgrpo: error: --device-memory: '80XB' is not a size: a positive number and one of the "
+        "units MB, GB, TB, MiB, GiB, TiB (such as 80GiB)"
+    ]
+
+
+REPORT = {
+    "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
+    "num_params": 494_032_768,
+    "num_trainable_params": 7_615_616_512,
+    "param_dtype": "float32",
+    "param_bytes_per_device": 2 * GIB + GIB // 2,
+    "opt_state_bytes_per_device": 5 * GIB,
+    "ref_param_bytes_per_device": 0,
+    "kv_cache_bytes_per_device": GIB,
+    "reward_model_bytes_per_device": 3 * 2**20,
+    "flops": 3.2104e15,
+    "flops_analytic": 4.5e11,
+    "flops_trip_counts_known": True,
+    "dot_ops": 1234,
+    "forwards": ["ref", "policy"],
+    "temp_bytes_per_device": 20 * GIB,
+    "peak_bytes_per_device_estimate": 30 * GIB,
+    "seconds": 12.34,
+}
+
+
+def test_text_report_uses_human_units():
+    lines = dict(line.split(None, 1) for line in format_report(REPORT).splitlines())
+    assert list(lines) == list(REPORT)  # the --json keys, in order
+    assert lines == {
+        "mesh": "data 1 x fsdp 8 x tensor 1",
+        "num_params": "494.0M (494,032,768)",
+        "num_trainable_params": "7.62B (7,615,616,512)",
+        "param_dtype": "float32",
+        "param_bytes_per_device": "2.50 GiB",
+        "opt_state_bytes_per_device": "5.00 GiB",
+        "ref_param_bytes_per_device": "0 B",
+        "kv_cache_bytes_per_device": "1.00 GiB",
+        "reward_model_bytes_per_device": "3.00 MiB",
+        "flops": "3,210 TFLOP",
+        "flops_analytic": "450 GFLOP",
+        "flops_trip_counts_known": "True",
+        "dot_ops": "1,234",
+        "forwards": "ref, policy",
+        "temp_bytes_per_device": "20.00 GiB",
+        "peak_bytes_per_device_estimate": "30.00 GiB",
+        "seconds": "12.3 s",
+    }
+
+
+def verdict(report, text):
+    last = format_report(report, (parse_device_memory(text), text)).splitlines()[-1]
+    key, line = last.split(None, 1)
+    assert key == "verdict"
+    return line
+
+
+def test_verdict_against_a_device_size():
+    """Needs: the peak (30 GiB) + the KV cache share (1 GiB) + reward models (3 MiB)."""
+    # 80 GB = 74.51 GiB: 74.505806 - 31.00293 = 43.502876 GiB left, 58% of the device
+    assert verdict(REPORT, "80GB") == (
+        "fits: each device needs 31.00 GiB of 80GB (74.51 GiB), 43.50 GiB (58%) left"
+    )
+    # 16 GB = 14.90 GiB: 31.00293 - 14.901161 = 16.101768 GiB over
+    assert verdict(REPORT, "16GB") == (
+        "does not fit: each device needs 31.00 GiB of 16GB (14.90 GiB), 16.10 GiB over"
+    )
+    assert verdict(REPORT, "31GiB").startswith("does not fit:")  # 3 MiB over
+    # without compiling: params + optimizer + reference + KV + reward models, a lower bound
+    sizes_only = {
+        k: v
+        for k, v in REPORT.items()
+        if k not in ("temp_bytes_per_device", "peak_bytes_per_device_estimate")
+    }
+    assert verdict(sizes_only, "16GB") == (
+        "may fit (without compiling, temporaries are not counted): each device needs at least "
+        "8.50 GiB of 16GB (14.90 GiB), 6.40 GiB (43%) left"
+    )
+
+
+def test_cli_prints_the_verdict_in_text_and_json(capsys):
+    """The tiny config through the CLI, sizes only: text with human units and the verdict;
+    --json keeps inspect-step's keys and adds the device's."""
+    base = ["inspect-step", "--config", TINY, "--no-compile"]
+    assert cli.main([*base, "--device-memory", "1MB"]) == 0
+    out = capsys.readouterr().out
+    assert "param_bytes_per_device" in out and "KiB" in out and "{" not in out
+    assert out.strip().splitlines()[-1].startswith("verdict")
+    assert "does not fit: each device needs at least" in out and "of 1MB (976.56 KiB)" in out
+    assert cli.main([*base, "--device-memory", "80GB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    need = sum(
+        report[k]
+        for k in (
+            "param_bytes_per_device",
+            "opt_state_bytes_per_device",
+            "ref_param_bytes_per_device",
+            "kv_cache_bytes_per_device",
+            "reward_model_bytes_per_device",
+        )
+    )
+    assert report["device_memory_bytes"] == 80 * 10**9
+    assert report["device_bytes_needed"] == need
+    assert report["device_fits"] is False  # temporaries unknown without compiling

@@ -37,6 +37,8 @@ BASE = dict(
 FAMILIES = {
     "llama": transformers.LlamaConfig(**BASE, tie_word_embeddings=False),
     "qwen2": transformers.Qwen2Config(**BASE, tie_word_embeddings=True),
+    # the biases of every targeted projection (q/k/v/o, gate/up/down) under the adapters
+    "llama_biases": transformers.LlamaConfig(**BASE, attention_bias=True, mlp_bias=True),
 }
 ALL = tuple(MODULES)
 

@@ -1,18 +1,26 @@
 """jgrpo.metrics and jgrpo.plots: jsonl lines and key sets, resume, TensorBoard, W&B, bar, plots."""
 
+import dataclasses
 import json
 import math
+import re
 import struct
 import sys
 import types
+import typing
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jgrpo.config import ConfigError, LoggingConfig
+from jgrpo import train
+from jgrpo.config import Config, ConfigError, LoggingConfig, load_config
 from jgrpo.metrics import MetricsLogger, Sink, read_metrics, truncate_metrics
-from jgrpo.plots import plot_run
+from jgrpo.plots import CHARTS, Series, chart_series, draw_chart, plot_run
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
 
 QUIET = LoggingConfig(tensorboard=False, wandb=False, progress_bar=False)
 
@@ -238,3 +246,150 @@ def test_every_sink_gets_the_real_values_and_one_close(tmp_path):
     )
     assert close == ("close",)
     assert read_metrics(tmp_path) == [{"step": 2, "kl/penalty": None, "loss": 0.5}]
+
+
+def test_charts_draw_coinciding_keys_once():
+    """What each chart draws: keys with equal points at every step are one curve named after
+    all of them; the throughput, grad norm, entropy and clip fraction charts exist."""
+    rows = [
+        {"step": 0, "val/accuracy": 0.25},
+        *(
+            {
+                "step": s,
+                "loss": 0.5 / s,  # an old run's copy of loss/total
+                "loss/total": 0.5 / s,
+                "loss/pg": 0.5 / s,
+                "loss/kl": 0.0,
+                "kl/penalty": 0.0,
+                "perf/tokens_per_s": 100.0 * s,
+                "train/grad_norm": 1.0 / s,
+                "policy/approx_entropy": 4.0 - s,
+                "ratio/clip_fraction": 0.1,
+                "ratio/dual_clip_fraction": 0.0,
+            }
+            for s in (1, 2, 3)
+        ),
+    ]
+    charts = chart_series(rows)
+    assert sorted(charts) == [
+        "accuracy", "clip_fraction", "entropy", "grad_norm", "kl", "loss", "throughput",
+    ]  # fmt: skip
+    assert [s.label for s in charts["loss"]] == ["loss = loss/pg = loss/total", "loss/kl"]
+    assert charts["loss"][0] == Series(
+        ("loss", "loss/pg", "loss/total"), (1, 2, 3), (0.5, 0.25, 0.5 / 3)
+    )
+    assert [s.label for s in charts["kl"]] == ["kl/penalty = loss/kl"]
+    assert charts["throughput"] == [
+        Series(("perf/tokens_per_s",), (1, 2, 3), (100.0, 200.0, 300.0))
+    ]
+    assert [s.keys for s in charts["grad_norm"]] == [("train/grad_norm",)]
+    assert [s.keys for s in charts["entropy"]] == [("policy/approx_entropy",)]
+    assert [s.keys for s in charts["clip_fraction"]] == [
+        ("ratio/clip_fraction",),
+        ("ratio/dual_clip_fraction",),
+    ]
+    assert charts["accuracy"] == [Series(("val/accuracy",), (0,), (0.25,))]
+
+
+def test_chart_step_axis_has_integer_ticks():
+    fig = draw_chart("t", [Series(("loss/total",), (1, 2, 3), (0.5, 0.25, 0.1))])
+    (ax,) = fig.axes
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss/total"]
+
+
+# ----------------------------------------------------------------------------- docs/metrics.md
+
+METRICS_PAGE = REPO / "docs" / "metrics.md"
+ALWAYS = ("every step", "validation")
+
+
+def documented_metrics() -> dict[str, str]:
+    """{key: its "when" cell} of every metric row of docs/metrics.md's tables."""
+    rows = {}
+    for line in METRICS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`"):
+            assert cells[0].strip("`") not in rows, f"{cells[0]} documented twice"
+            rows[cells[0].strip("`")] = cells[3]
+    return rows
+
+
+def key_pattern(key: str) -> re.Pattern:
+    """`reward/<name>/mean` -> a regex where each <...> is one or more characters."""
+    parts = re.split(r"<[^>]+>", key)
+    return re.compile("(.+)".join(map(re.escape, parts)) + "$")
+
+
+def config_field_exists(dotted: str) -> bool:
+    cls = Config
+    for name in dotted.split("."):
+        fields = (
+            {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        )
+        if name not in fields:
+            return False
+        hints = typing.get_type_hints(cls)
+        cls = hints[name]
+    return True
+
+
+@pytest.fixture(scope="module")
+def tiny_run_keys(tmp_path_factory):
+    """The metric keys of a 2-step tiny run with validation before and after."""
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    cfg = load_config(TINY, ["grpo.max_num_steps=2", "logging.tensorboard=false"])
+    train.run(cfg, run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    return {k for r in rows for k in r if k != "step"}
+
+
+@pytest.mark.slow  # a 2-step tiny run
+def test_every_logged_key_is_on_the_metrics_page(tiny_run_keys):
+    documented = documented_metrics()
+    patterns = [key_pattern(k) for k in documented]
+    missing = sorted(k for k in tiny_run_keys if not any(p.match(k) for p in patterns))
+    assert not missing, f"logged but not in docs/metrics.md: {missing}"
+    # every key the page says every run logs is logged
+    always = {k for k, when in documented.items() if when.startswith(ALWAYS) and "<" not in k}
+    assert not always - tiny_run_keys, sorted(always - tiny_run_keys)
+    # one name per number: the copies that existed before are gone
+    assert not {"loss", "completions/clipped_ratio"} & tiny_run_keys
+
+
+def test_conditional_metrics_name_the_config_key_that_turns_them_on():
+    """A key not logged by every run names, in its "when" cell, real config keys; a literal
+    key is a string in jgrpo's source (the page lists nothing the code cannot log)."""
+    source = "\n".join(p.read_text() for p in (REPO / "jgrpo").rglob("*.py"))
+    conditional = {k: w for k, w in documented_metrics().items() if not w.startswith(ALWAYS)}
+    assert len(conditional) > 20
+    for key, when in conditional.items():
+        flags = re.findall(r"`([a-z_]+\.[a-z_.]+)`", when)
+        assert flags, (key, when)
+        for flag in flags:
+            assert config_field_exists(flag), (key, flag)
+        if "<" not in key:
+            assert f'"{key}"' in source, key
+
+
+def test_metrics_page_lists_each_chart_with_its_keys():
+    """The page's chart table is what chart_series draws from rows holding every key listed."""
+    listed = {}
+    for line in METRICS_PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].endswith(".png`"):
+            listed[cells[0].strip("`").removesuffix(".png")] = re.findall(r"`([^`]+)`", cells[1])
+    assert set(listed) == set(CHARTS)
+    documented = documented_metrics()
+    keys = {k for ks in listed.values() for k in ks}
+    assert keys <= set(documented)
+    # distinct values: no two keys coincide, so each is its own curve
+    row = {"step": 1, **{k: float(i) for i, k in enumerate(sorted(keys))}}
+    drawn = {
+        name: sorted(k for s in series for k in s.keys)
+        for name, series in chart_series([row]).items()
+    }
+    assert drawn == {name: sorted(ks) for name, ks in listed.items()}

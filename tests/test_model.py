@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from conftest import make_random_hf_model, with_kernels
@@ -45,6 +46,11 @@ CASES = {
     "qwen2_tied": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2_untied_mha": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=False)),
     "qwen3_head_dim": ("qwen3", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    # every bias flag transformers 5 defines for a family: Llama's attention_bias (q/k/v/o) and
+    # mlp_bias (gate/up/down), Qwen3's attention_bias (q/k/v/o); Qwen2Config has none
+    "llama_attention_bias": ("llama", dict(num_key_value_heads=2, attention_bias=True)),
+    "llama_mlp_bias": ("llama", dict(num_key_value_heads=2, mlp_bias=True)),
+    "qwen3_attention_bias": ("qwen3", dict(num_key_value_heads=2, attention_bias=True)),
 }
 
 CONFIG_CLASSES = {
@@ -204,6 +210,47 @@ def test_bfloat16_safetensors_roundtrip(tmp_path):
     model = from_pretrained(tmp_path / "bf16", dtype="bfloat16")
     ref = hf_model.model.embed_tokens.weight.float().detach().numpy()
     np.testing.assert_array_equal(np.asarray(model.embed[...]).astype(np.float32), ref)
+
+
+def test_a_tensor_nothing_reads_is_an_error(tmp_path):
+    """Strict loading: a Llama folder with attention_bias / mlp_bias biases whose config.json
+    flag is off (a feature we would drop) is refused naming the tensor, by the pre-flight (one
+    line, before any load) and by the loader; so is a tied lm_head.weight that differs."""
+    from jgrpo.config import ConfigError
+    from jgrpo.models.preflight import check_hf_folder
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    for flag, tensor in (
+        ("attention_bias", "self_attn.k_proj.bias"),  # the first of q/k/v/o's, by name
+        ("mlp_bias", "mlp.down_proj.bias"),
+    ):
+        folder = tmp_path / flag
+        make_hf_model("llama", {flag: True}).save_pretrained(folder)
+        save_char_tokenizer(folder)
+        check_hf_folder(folder)  # the flag on: every tensor is read
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, flag: False}))
+        name = f"model.layers.0.{tensor}"
+        with pytest.raises(ModelFormatError, match=f"tensor {name!r} is read by nothing"):
+            from_pretrained(folder)
+        with pytest.raises(ConfigError, match=f"has tensor {name!r}, which nothing reads") as e:
+            check_hf_folder(folder)
+        assert "\n" not in str(e.value)
+    folder = tmp_path / "tied"  # a tied model's lm_head.weight: read when it is the embedding
+    make_hf_model("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(
+        folder
+    )
+    weights = safetensors.numpy.load_file(folder / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    for head, ok in ((embed, True), (embed + 1, False)):
+        safetensors.numpy.save_file(
+            {**weights, "lm_head.weight": head}, folder / "model.safetensors"
+        )
+        if ok:
+            from_pretrained(folder)
+        else:
+            with pytest.raises(ModelFormatError, match="lm_head.weight differs"):
+                from_pretrained(folder)
 
 
 def test_unsupported_folder_errors(tmp_path):

@@ -81,7 +81,7 @@ class Script:
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
             lengths[i] = min(len(ids), n)
             tokens[i, : lengths[i]] = ids[:n]
-            truncated[i] = len(ids) > n or ids[-1] != self.tok.eos_token_id
+            truncated[i] = len(ids) > n or ids[-1] not in params.stop_token_ids
         width = -(-max(map(len, prompts)) // params.prompt_bucket) * params.prompt_bucket
         prompt_tokens = np.zeros((b, width), np.int32)
         for i, p in enumerate(prompts):
@@ -169,6 +169,53 @@ def test_tool_calls_run_and_their_replies_join_the_row(monkeypatch, tok):
     counts = {k: int(v[0]) for k, v in conv.counts.items()}
     assert counts["turns"] == 2 and counts["tool_calls"] == 1 and counts["tool_errors"] == 0
     assert counts["tool_responses_cut"] == 1 and counts["reply_tokens"] == len(reply)
+
+
+def test_tool_message_i_answers_call_i_when_a_malformed_call_sits_between(monkeypatch, tok):
+    """A turn mixing valid calls with a malformed one: each answer stays at its call's place
+    (the error is not moved first, where the model would read it as `lookup`'s answer)."""
+    settings = TurnSettings(max_turns=2, tools=True)
+    runner = FakeRunner(answer=lambda name, args: (OK, f"{name}={args['key']}"))
+    calls = [
+        '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>',
+        "<tool_call>{oops</tool_call>",
+        '<tool_call>{"name": "fetch", "arguments": {"key": "b"}}</tool_call>',
+    ]
+    texts = {1: "".join(calls) + "<|im_end|>", 2: "done<|im_end|>"}
+    conv, _, chat = run_script(monkeypatch, tok, texts, settings, n=256, runner=runner)
+    tools = conv.messages[0][1:4]
+    assert [(m["name"], m["content"][:6]) for m in tools] == [
+        ("lookup", "lookup"),
+        ("", "error:"),
+        ("fetch", "fetch="),
+    ]
+    assert tools[1]["content"].startswith("error: the tool call is not valid JSON")
+    assert [m["role"] for m in conv.messages[0]] == [
+        "assistant",
+        "tool",
+        "tool",
+        "tool",
+        "assistant",
+    ]
+    gen1 = tok(texts[1])["input_ids"]
+    reply = chat.reply_ids(tools)
+    assert conv.tokens[0, len(gen1) : len(gen1) + len(reply)].tolist() == reply
+    assert conv.counts["tool_calls"][0] == 3 and conv.counts["tool_errors"][0] == 1
+
+
+def test_a_base_models_turn_ends_at_the_templates_end_token(monkeypatch, tmp_path):
+    """EOS <eos> (as a Qwen2.5 base model's <|endoftext|>), turns end with <|im_end|>: the
+    sampler stops a turn at <|im_end|> too, and the conversation goes on."""
+    from test_conversation import base_model_folder
+
+    base = AutoTokenizer.from_pretrained(base_model_folder(tmp_path / "base"))
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    runner = FakeRunner(answer=lambda name, args: (OK, "12"))
+    settings = TurnSettings(max_turns=2, tools=True)
+    texts = {1: CALL % "3*4", 2: "12<|im_end|>"}
+    conv, script, _ = run_script(monkeypatch, base, texts, settings, n=160, runner=runner)
+    assert [c["params"].stop_token_ids for c in script.calls] == [(1, im_end)] * 2
+    assert conv.counts["turns"][0] == 2 and not conv.truncated[0] and conv.texts == ["12"]
 
 
 def test_an_environment_that_never_says_done_is_ended_by_the_budget(monkeypatch, tok):
@@ -521,6 +568,20 @@ RUN = (
     "optim.learning_rate=1e-3",
     "logging.tensorboard=false",
 )
+
+
+def test_a_template_without_a_turn_end_is_refused_before_the_model_loads(tmp_path, capsys):
+    from test_conversation import PLAIN_TEMPLATE, base_model_folder
+
+    from jgrpo import cli
+
+    folder = base_model_folder(tmp_path / "plain", PLAIN_TEMPLATE)
+    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), f"model.path={folder}"]
+    code = cli.main([*argv, *RUN])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"jgrpo: error: model.path: {str(folder)!r}: multi-turn rollouts")
+    assert "set rollout.max_turns: 1" in err[0]
 
 
 def run_calculator(run_dir, folder, env_module, *overrides, resume=False):

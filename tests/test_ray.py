@@ -437,7 +437,7 @@ def test_run_async_trains_with_bounded_staleness(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows[1:]:  # row `step` = s + 1 holds step s, staleness from its per-row versions
         assert 0.0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1.0
-        assert np.isfinite(r["loss"])
+        assert np.isfinite(r["loss/total"])
     assert rows[2]["rollout/staleness_max"] == 1.0  # step 1 started with version 0
 
 
@@ -489,5 +489,5 @@ def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
         "loss.use_importance_sampling_correction=true",
     )
     for r in rows[1:]:
-        assert np.isfinite(r["loss"]) and np.isfinite(r["reward/judge/mean"])
+        assert np.isfinite(r["loss/total"]) and np.isfinite(r["reward/judge/mean"])
         assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0

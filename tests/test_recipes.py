@@ -52,15 +52,16 @@ RECIPES = {
 
 
 def recipe_sizing(name: str, folder: Path) -> dict:
-    """`jgrpo inspect-step --json` of configs/`name` with model.path = a config.json-only
-    folder of its model, on the target mesh's device count (a subprocess: this process has 8
-    fake devices)."""
-    hf_config, devices, _, _ = RECIPES[name]
+    """`jgrpo inspect-step --json --device-memory` of configs/`name` (its device's size) with
+    model.path = a config.json-only folder of its model, on the target mesh's device count (a
+    subprocess: this process has 8 fake devices)."""
+    hf_config, devices, memory, _ = RECIPES[name]
     (folder / "config.json").write_text(json.dumps(hf_config))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     env["XLA_FLAGS"] = xla_flags(devices)
     config = REPO / "configs" / name
     cmd = [sys.executable, "-m", "jgrpo.cli", "inspect-step", "--json", "--config", str(config)]
+    cmd += ["--device-memory", f"{memory // 10**9}GB"]
     out = subprocess.run(
         [*cmd, f"model.path={folder}"], env=env, capture_output=True, text=True, timeout=1800
     )
@@ -70,7 +71,8 @@ def recipe_sizing(name: str, folder: Path) -> dict:
 
 def device_bytes(report: dict) -> int:
     """What one device holds while training: the step's peak (arguments: params, optimizer,
-    reference, batch; outputs less donated aliases; temporaries) + its share of the KV cache."""
+    reference, batch; outputs less donated aliases; temporaries) + its share of the KV cache
+    (the recipes have no reward model)."""
     return report["peak_bytes_per_device_estimate"] + report["kv_cache_bytes_per_device"]
 
 
@@ -96,6 +98,9 @@ def test_recipe_fits_its_device(name, tmp_path):
     assert report["argument_bytes_per_device"] >= held
     assert report["temp_bytes_per_device"] > 0
     assert device_bytes(report) <= (1 - MARGIN) * memory
+    # --device-memory's verdict counts the same bytes
+    assert report["device_memory_bytes"] == memory and report["device_fits"] is True
+    assert report["device_bytes_needed"] == device_bytes(report)
     if name.endswith("_t4.yaml"):  # no bfloat16 on a T4: float32 throughout
         assert report["compute_dtype"] == report["param_dtype"] == "float32"
     else:

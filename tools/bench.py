@@ -231,7 +231,7 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
                 _ratio(gen_flops, med["  sample"] or med["generation"]),
                 limits["matmul_flops_per_s"],
             ),
-            "loss": rows[-1]["loss"],
+            "loss": rows[-1]["loss/total"],
             "length_mean": statistics.mean(r["length/mean"] for r in rows),
         }
     on, off = out["on-policy"]["phases_s"]["train"], out["off-policy"]["phases_s"]["train"]

@@ -25,6 +25,7 @@ RESUME_MAY_CHANGE = (
     "data.val_sets",
     "grpo.num_microbatches",
     "data.reward_timeout_s",
+    "data.reward_errors",
     "rollout.backend",
     "rollout.num_workers",
     "rollout.ray_address",

@@ -158,6 +158,12 @@ def check_data(data: DataConfig) -> None:
         f"data.min_operand: {data.min_operand} must be <= data.max_operand {data.max_operand}",
     )
     _require(data.reward_import_timeout_s > 0, "data.reward_import_timeout_s: must be > 0")
+    f = data.val_fraction
+    _require(f is None or 0 < f < 1, f"data.val_fraction: must lie in (0, 1), got {f}")
+    _require(
+        f is None or data.val_path is None,
+        "data.val_fraction: give data.val_path or data.val_fraction, not both",
+    )
     check_reward_names(data.reward_functions, "data.reward_functions")
 
 
@@ -521,6 +527,14 @@ def check_val_set(vs: ValSetConfig, data: DataConfig) -> None:
             len(resolved.reward_functions) > 0,
             f"{key}.reward_functions: task 'prompts' has no verifier; give at least one",
         )
+
+
+def needs_chat_turns(cfg: Config) -> bool:
+    """The rollouts are conversations (several turns, tools or an environment): the model's
+    chat template must end a turn with a token and give reply ids (checked before a load)."""
+    data = cfg.data
+    tools = bool(data.tools) or data.environment is not None or data.task == "calculator"
+    return cfg.rollout.max_turns > 1 or tools
 
 
 def check_turns(cfg: Config) -> None:

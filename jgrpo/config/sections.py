@@ -174,6 +174,7 @@ class ValSetConfig:
             **given,
             train_path=None,
             val_path=self.path,
+            val_fraction=None,
             num_val_examples=data.num_val_examples
             if self.num_examples is None
             else self.num_examples,
@@ -196,7 +197,9 @@ class DataConfig:
     train_path: Optional[str] = None
     """A JSONL/JSON/Parquet/CSV file, datasets folder or HF dataset id; None = generated."""
     val_path: Optional[str] = None
-    """Held-out set in the same formats; None = a seeded synthetic set or a split of train."""
+    """Held-out set in the same formats; None = none for your data, built-in tasks' own set."""
+    val_fraction: Optional[float] = None
+    """Hold out this fraction (0 < f < 1) of the training records, seeded (None = none)."""
     dataset_config: Optional[str] = None
     """Config (subset) of hub dataset ids, e.g. `main` of openai/gsm8k; None = their only one."""
     prompt_key: str = "prompt"
@@ -217,8 +220,8 @@ class DataConfig:
     """Arithmetic: characters drawn as operators, a subset of `+-*`."""
     countdown_num_numbers: int = 3
     """Countdown: how many source numbers per puzzle."""
-    use_chat_template: bool = True
-    """Wrap prompts in the tokenizer's chat template when it has one."""
+    use_chat_template: Optional[bool] = None
+    """Wrap string prompts in the chat template (null: built-in tasks yes, prompts no, as TRL)."""
     system_prompt: Optional[str] = None
     """Optional system message for chat prompts."""
     reward_functions: tuple[RewardFunctionConfig, ...] = ()
@@ -229,6 +232,8 @@ class DataConfig:
     """A reward call running past this scores 0 and is counted in metrics."""
     reward_import_timeout_s: float = 60.0
     """Importing the reward functions at start-up may take this long (then a ConfigError)."""
+    reward_errors: Literal["log", "raise"] = "log"
+    """A failing reward function: log (first traceback once, all counted, scores 0) or raise."""
     shuffle: bool = True
     """Reshuffle training examples every epoch (seeded by grpo.seed)."""
     val_sets: tuple[ValSetConfig, ...] = ()
@@ -241,6 +246,17 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+
+    @property
+    def wraps_string_prompts(self) -> bool:
+        """String prompts go through the tokenizer's chat template (when it has one):
+        data.use_chat_template, or when null, yes for the built-in tasks (an instruct model
+        answers their bare questions best in chat form) and no for `prompts` (your strings are
+        used verbatim, as TRL does; message lists always use the template) unless tools or an
+        environment make the rollout a conversation."""
+        if self.use_chat_template is not None:
+            return self.use_chat_template
+        return self.task != "prompts" or bool(self.tools) or self.environment is not None
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -25,14 +25,14 @@ from flax import nnx
 from jgrpo.models import moe_hf
 from jgrpo.models.moe import MoESpec
 from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
+from jgrpo.models.preflight import FAMILIES as _FAMILIES
+from jgrpo.models.preflight import (
+    IGNORED_TENSOR_SUFFIXES,
+    bias_flags,
+    unsupported_model_type,
+)
 from jgrpo.models.transformer import RopeScaling, Transformer, TransformerConfig
 
-_FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    **moe_hf.MOE_FAMILIES,
-}
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -88,11 +88,7 @@ def config_from_hf(
     `options` are the remaining execution fields (remat, logprob_chunk_size, kernels)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
-        raise ModelFormatError(
-            f"model_type {family!r} is not supported (allowed: {', '.join(_FAMILIES)})"
-        )
-    if hf.get("mlp_bias"):
-        raise ModelFormatError("mlp_bias=true is not supported")
+        raise ModelFormatError(unsupported_model_type(family))
     if hf.get("use_sliding_window"):
         raise ModelFormatError("use_sliding_window=true is not supported")
     act = hf.get("hidden_act", "silu")
@@ -122,7 +118,7 @@ def config_from_hf(
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        **bias_flags(hf),
         qk_norm=family in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         dtype=dtype,
@@ -160,12 +156,17 @@ def config_to_hf(cfg: TransformerConfig) -> dict:
         "pad_token_id": cfg.pad_token_id,
         "dtype": cfg.param_dtype,
     }
-    if cfg.family == "llama":
+    if cfg.family != "qwen2":
         hf["attention_bias"] = cfg.attention_bias
+    if cfg.family == "llama":
+        hf["mlp_bias"] = cfg.mlp_bias
     if isinstance(cfg, MoETransformerConfig):
         hf.update(moe_hf.moe_config_to_hf(cfg))
         if cfg.family == "glm4_moe":  # transformers' default when absent is 0.5
             rope["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
+    ours = {k: getattr(cfg, k) for k in ("attention_bias", "o_bias", "mlp_bias")}
+    if bias_flags(hf) != ours:  # transformers would build other projections
+        raise ModelFormatError(f"{cfg.family} has no config.json flags for the biases {ours}")
     return hf
 
 
@@ -272,6 +273,10 @@ def _layer_map(cfg: TransformerConfig):
             ("k_bias", "self_attn.k_proj.bias", lambda w: w.reshape(k, h), lambda w: w.reshape(-1)),
             ("v_bias", "self_attn.v_proj.bias", lambda w: w.reshape(k, h), lambda w: w.reshape(-1)),
         ]
+    if cfg.o_bias:
+        rows.append(("o_bias", "self_attn.o_proj.bias", *same))
+    if cfg.mlp_bias:
+        rows += [(f"{w}_bias", f"mlp.{w}_proj.bias", *same) for w in ("gate", "up", "down")]
     if cfg.qk_norm:
         rows += [
             ("q_norm", "self_attn.q_norm.weight", *same),
@@ -286,10 +291,26 @@ def _take(tensors: dict, name: str, folder) -> np.ndarray:
     return tensors[name]
 
 
-def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="checkpoint") -> None:
-    """Copy HF-named tensors into `model`'s parameters (cast to the storage dtype)."""
+def load_weights(
+    model: Transformer, tensors: dict[str, np.ndarray], folder="checkpoint", also_read=()
+) -> None:
+    """Copy HF-named tensors into `model`'s parameters (cast to the storage dtype). Strict: a
+    tensor that nothing reads (not the model's, not in `also_read`, the names a caller reads
+    itself) is a ModelFormatError naming it, so no config.json flag is dropped silently."""
     cfg = model.cfg
     dtype = cfg.jnp_param_dtype
+    unread = {
+        name
+        for name in tensors
+        if name not in also_read and not name.endswith(IGNORED_TENSOR_SUFFIXES)
+    }
+    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:  # a tied copy some exports keep
+        if not np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
+            raise ModelFormatError(
+                f"{folder}: lm_head.weight differs from model.embed_tokens.weight, but "
+                "config.json has tie_word_embeddings=true"
+            )
+        unread.discard("lm_head.weight")
 
     def put(param, value):
         value = np.asarray(value)
@@ -312,10 +333,27 @@ def load_weights(model: Transformer, tensors: dict[str, np.ndarray], folder="che
         )
         put(model.layers[ours], stacked)
     if isinstance(cfg, MoETransformerConfig):
-        groups = moe_hf.moe_weights_from_hf(cfg, lambda n: _take(tensors, n, folder), tensors)
+
+        def take(name):
+            unread.discard(name)
+            return _take(tensors, name, folder)
+
+        groups = moe_hf.moe_weights_from_hf(cfg, take, tensors)
         for group, arrays in groups.items():
             for name, value in arrays.items():
                 put(getattr(model, group)[name], value)
+    unread -= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    unread -= {
+        f"model.layers.{i}.{row[1]}" for row in _layer_map(cfg) for i in range(cfg.num_layers)
+    }
+    if unread:
+        flags = ", ".join(
+            f"{k}={getattr(cfg, k)}" for k in ("attention_bias", "o_bias", "mlp_bias")
+        )
+        raise ModelFormatError(
+            f"{folder}: tensor {min(unread)!r} is read by nothing ({len(unread)} such tensors; "
+            f"{cfg.family} with {flags}: a config.json feature not implemented?)"
+        )
 
 
 def export_weights(model: Transformer) -> dict[str, np.ndarray]:
@@ -361,16 +399,19 @@ def from_pretrained(
     return model_from_tensors(cfg, read_hf_weights(folder), folder)
 
 
-def model_from_tensors(cfg: TransformerConfig, tensors: dict, folder) -> Transformer:
+def model_from_tensors(
+    cfg: TransformerConfig, tensors: dict, folder, also_read: tuple[str, ...] = ()
+) -> Transformer:
     """A Transformer of `cfg` holding the HF-named `tensors` read from `folder` (no random
     init: the abstract model's parameters become zeros, then the tensors overwrite them).
-    Tensors the decoder does not hold (a reward model's `score.weight`) are left unread."""
+    `also_read`: tensors the caller reads itself (a reward model's `score.weight`); any other
+    tensor the decoder does not hold is an error (`load_weights`)."""
     model = nnx.eval_shape(lambda: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Variable) and isinstance(var.get_raw_value(), jax.ShapeDtypeStruct):
             abstract = var.get_raw_value()
             var.set_raw_value(jnp.zeros(abstract.shape, abstract.dtype))
-    load_weights(model, tensors, folder)
+    load_weights(model, tensors, folder, also_read)
     return model
 
 

@@ -166,7 +166,7 @@ def _experts_of_layer(take, prefix: str, e: int, tensors: dict):
     """(gate [e, d, f], up [e, d, f], down [e, f, d]) of one MoE layer, per-expert or fused."""
     fused = prefix + "mlp.experts.gate_up_proj"
     if fused in tensors:
-        gate_up = np.asarray(tensors[fused])  # [e, 2f, d]
+        gate_up = np.asarray(take(fused))  # [e, 2f, d]
         f = gate_up.shape[1] // 2
         down = np.asarray(take(prefix + "mlp.experts.down_proj"))  # [e, d, f]
         return (

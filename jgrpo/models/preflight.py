@@ -3,7 +3,8 @@
 Owns :func:`check_hf_folder`, called by :func:`jgrpo.models.sources.check_model_path` before
 any model work starts. It reads only small things, imports neither jax nor transformers, and
 raises :class:`ConfigError` with one line naming the file and what is wrong:
-- config.json: UTF-8 JSON, a mapping, positive integer sizes, heads that divide;
+- config.json: UTF-8 JSON, a mapping, a supported model_type (checked first), positive
+  integer sizes, heads that divide;
 - weights: model.safetensors or the index and every shard it names; each header parses, its
   dtypes are ones the loader reads, its data offsets fit the file (a truncated download), and
   every tensor the decoder needs has the shape config.json implies (:func:`hf_tensor_shapes`);
@@ -11,8 +12,7 @@ raises :class:`ConfigError` with one line naming the file and what is wrong:
   token, and every id it gives is below config.json's vocab_size; the other small JSON files
   (`_SMALL_JSON`: tokenizer_config, special_tokens_map, generation_config, ...) are objects;
 - length: rollout.prompt_bucket + rollout.max_new_tokens fits max_position_embeddings.
-The tensor names and shapes here are the HF side of ``jgrpo.models.hf._layer_map``; the
-loader re-checks every shape when it copies the weights."""
+Tensor names and shapes are the HF side of ``hf._layer_map``; the loader re-checks them."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ _SMALL_JSON = (
     "generation_config.json",
 )
 """JSON files of a model folder that must parse as objects when present."""
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    **moe_hf.MOE_FAMILIES,
+}
+"""config.json model_type -> the HF causal-LM class of every family the decoder implements."""
 
 
 def _fail(path: Path, what: str) -> None:
@@ -54,6 +61,8 @@ def read_hf_config(folder: Path) -> dict:
     hf = read_json_file(path)
     if not isinstance(hf, dict):
         _fail(path, f"must hold a JSON object, got {type(hf).__name__}")
+    if hf.get("model_type") not in FAMILIES:  # first: other families name their sizes otherwise
+        _fail(path, unsupported_model_type(hf.get("model_type")))
     for key in (
         "vocab_size",
         "hidden_size",
@@ -81,6 +90,27 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
+def unsupported_model_type(family) -> str:
+    """The one-line refusal of a config.json `model_type` outside FAMILIES."""
+    return f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})"
+
+
+def bias_flags(hf: dict) -> dict[str, bool]:
+    """Which projections carry biases, as transformers builds config.json's family: q/k/v
+    (`attention_bias`), o (`o_bias`), gate/up/down (`mlp_bias`); TransformerConfig fields."""
+    if hf.get("model_type") == "qwen2":  # Qwen2Config has no bias flags: q/k/v always, no o
+        return {"attention_bias": True, "o_bias": False, "mlp_bias": False}
+    attention = bool(hf.get("attention_bias", False))  # Llama, Qwen3(-MoE): q/k/v and o
+    if hf.get("model_type") == "glm4_moe":  # GLM-4.5: q/k/v only, never o
+        return {"attention_bias": attention, "o_bias": False, "mlp_bias": False}
+    mlp = hf.get("model_type") == "llama" and bool(hf.get("mlp_bias", False))
+    return {"attention_bias": attention, "o_bias": attention, "mlp_bias": mlp}
+
+
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Tensors of old checkpoints that nothing reads by design (recomputed from config.json)."""
+
+
 def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the decoder loads, from a config.json mapping; `head`
     lm: the LM head (unless tied), score: a one-label sequence-classification head."""
@@ -105,12 +135,17 @@ def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
     }
-    if family == "qwen2" or hf.get("attention_bias"):
+    biases = bias_flags(hf)
+    if biases["attention_bias"]:
         layer |= {
             "self_attn.q_proj.bias": (n * h,),
             "self_attn.k_proj.bias": (k * h,),
             "self_attn.v_proj.bias": (k * h,),
         }
+    if biases["o_bias"]:
+        layer["self_attn.o_proj.bias"] = (d,)
+    if biases["mlp_bias"]:
+        layer |= {"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (d,)}
     if family in ("qwen3", "qwen3_moe") or hf.get("use_qk_norm"):
         layer |= {"self_attn.q_norm.weight": (h,), "self_attn.k_norm.weight": (h,)}
     moe = family in moe_hf.MOE_FAMILIES
@@ -245,7 +280,8 @@ def check_hf_folder(
         return _PASSED[stamp]
     hf = read_hf_config(folder)
     shapes, where = _weight_shapes(folder)
-    for name, want in hf_tensor_shapes(hf, head).items():
+    wanted = hf_tensor_shapes(hf, head)
+    for name, want in wanted.items():
         if name not in shapes:
             _fail(folder, f"lacks tensor {name!r} (config.json: {hf['num_hidden_layers']} layers)")
         if shapes[name] != want:
@@ -253,10 +289,22 @@ def check_hf_folder(
                 where[name],
                 f"tensor {name!r} has shape {list(shapes[name])}, config.json implies {list(want)}",
             )
+    tied = head == "lm" and hf.get("tie_word_embeddings", False)
+    for name in sorted(shapes):  # strict: a tensor nothing reads is a flag we would drop silently
+        if name in wanted or name.endswith(IGNORED_TENSOR_SUFFIXES):
+            continue
+        if not (tied and name == "lm_head.weight"):  # the loader checks it equals the embedding
+            _fail(where[name], f"has tensor {name!r}, which nothing reads ({unread_hint(hf)})")
     _check_tokenizer(folder, hf["vocab_size"])
     _PASSED[stamp] = hf
     check_sequence_length(hf, sequence_length, folder / "config.json")
     return hf
+
+
+def unread_hint(hf: dict) -> str:
+    """What a tensor nothing reads means, for the one-line error."""
+    flags = ", ".join(f"{k}={v}" for k, v in bias_flags(hf).items())
+    return f"config.json model_type {hf.get('model_type')!r}, {flags}: a feature not implemented?"
 
 
 def check_sequence_length(hf: dict, sequence_length: Optional[int], source: Any) -> None:
@@ -265,7 +313,8 @@ def check_sequence_length(hf: dict, sequence_length: Optional[int], source: Any)
     if sequence_length is not None and limit is not None and sequence_length > limit:
         raise ConfigError(
             f"rollout.prompt_bucket + rollout.max_new_tokens = {sequence_length} exceeds "
-            f"max_position_embeddings {limit} of {str(source)!r}"
+            f"max_position_embeddings {limit} of {str(source)!r}: lower rollout.max_new_tokens "
+            f"(or rollout.prompt_bucket) so that they sum to at most {limit}"
         )
 
 

@@ -131,7 +131,7 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.pad_id = int(tokenizer.pad_token_id)
         tensors = read_hf_weights(self.folder)
-        model = model_from_tensors(self.model_cfg, tensors, self.folder)
+        model = model_from_tensors(self.model_cfg, tensors, self.folder, ("score.weight",))
         self.graphdef, state = nnx.split(model)
         p_shard, s_shard = param_shardings(self.model_cfg, self.mesh, rules)
         self.params = sharding.shard_params(nnx.to_pure_dict(state), p_shard)

@@ -47,12 +47,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("JGRPO_CACHE") or Path.home() / ".cache" / "jgrpo").expanduser()
 
 
-def check_model_path(spec: str, sequence_length: int | None = None, *, deep: bool = True) -> None:
+def check_model_path(
+    spec: str, sequence_length: int | None = None, *, deep: bool = True, multi_turn: bool = False
+) -> None:
     """Validate `model.path` without converting or building anything; raises ConfigError.
 
     With `deep`, an HF folder, and a built-in or converted model already in the cache, is
     checked by :func:`jgrpo.models.preflight.check_hf_folder` (headers, shapes, tokenizer;
-    `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings)."""
+    `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings), and
+    with `multi_turn` its chat template too (`jgrpo.rollout.conversation.check_turn_template`)."""
     from jgrpo.models.preflight import check_hf_folder, check_sequence_length
 
     if spec == SMOLLM2:
@@ -76,6 +79,10 @@ def check_model_path(spec: str, sequence_length: int | None = None, *, deep: boo
         folder = Path(spec).expanduser()
     if deep and folder.is_dir():
         check_hf_folder(folder, sequence_length)
+    if deep and multi_turn and folder.is_dir():
+        from jgrpo.rollout.conversation import check_turn_template
+
+        check_turn_template(folder)
 
 
 def resolve_model_path(spec: str) -> Path:

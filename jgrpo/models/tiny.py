@@ -20,8 +20,8 @@ import numpy as np
 
 from jgrpo.files import atomic_folder, write_json
 
-TINY_VERSION = 1
-"""Bump whenever build_tiny_model's output for the defaults changes."""
+TINY_VERSION = 2
+"""Bump whenever build_tiny_model's output for the defaults changes (2: 2048 positions)."""
 
 CHAR_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 """Special tokens of the tiny model's tokenizer: ids 0..3; byte b is id 4 + b."""
@@ -141,7 +141,7 @@ def tiny_qwen2_config(*, chat: bool = False, **overrides: Any) -> dict[str, Any]
         num_key_value_heads=2,
         intermediate_size=128,
         vocab_size=-(-size // 8) * 8,
-        max_position_embeddings=256,
+        max_position_embeddings=2048,  # the default lengths fit (a config need not shrink them)
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,

@@ -1,10 +1,10 @@
 """The decoder-only transformer (Llama / Qwen2 / Qwen3 families) in Flax NNX.
 
-Covers HF LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases) and Qwen3ForCausalLM (q/k RMSNorm,
-explicit head_dim): RMSNorm, RoPE (default and llama3 scaling), GQA/MQA, SwiGLU, tied or untied
-embeddings, LoRA adapters (`cfg.lora`, models/lora.py). Numerics follow transformers' PyTorch
-forward (norms, softmax, RoPE, logits and logprobs in float32); parameters stored in
-`cfg.param_dtype` are cast to the compute dtype `cfg.dtype` at use, per layer.
+Covers HF LlamaForCausalLM (attention_bias, mlp_bias), Qwen2ForCausalLM (q/k/v biases) and
+Qwen3ForCausalLM (q/k RMSNorm, head_dim, attention_bias): RMSNorm, RoPE (default, llama3),
+GQA/MQA, SwiGLU, tied or untied embeddings, LoRA (`cfg.lora`, models/lora.py). Numerics follow
+transformers' PyTorch forward (norms, softmax, RoPE, logits and logprobs in float32); params
+stored in `cfg.param_dtype` are cast to the compute dtype `cfg.dtype` at use, per layer.
 
 Entry points: `model(input_ids_bt, positions_bt=None, attention_mask_bt=None)` -> logits_btv;
 `token_logprobs` (chunked, no [b, t, v] logits; the trainer's forward); `hidden_states` (for
@@ -58,7 +58,11 @@ class TransformerConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """q/k/v projections carry biases (Qwen2, or Llama with attention_bias)."""
+    """q/k/v projections carry biases (Qwen2; Llama / Qwen3 attention_bias)."""
+    o_bias: bool = False
+    """The attention output projection carries a bias (Llama / Qwen3 attention_bias)."""
+    mlp_bias: bool = False
+    """gate/up/down projections carry biases (Llama mlp_bias)."""
     qk_norm: bool = False
     """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
     max_position_embeddings: int = 2048
@@ -167,10 +171,9 @@ def apply_rope(x_btnh, cos, sin):
 
 def attention(q_btnh, k_bskh, v_bskh, mask_bts, kernels: str = "auto", causal: bool = False):
     """Grouped-query softmax attention (mask_bts: True = attend); scores and softmax in
-    float32. `kernels` picks the platform kernel (`cfg.kernels`; see `jgrpo.models.kernels`:
-    the CPU einsum, or jax.nn.dot_product_attention); `causal` promises mask_bts includes the
-    causal mask of aligned positions (a hint for cuDNN's flash kernel, never a change of the
-    result)."""
+    float32. `kernels` picks the platform kernel (`cfg.kernels`, `jgrpo.models.kernels`: the
+    CPU einsum, or jax.nn.dot_product_attention); `causal` promises mask_bts includes the
+    causal mask of aligned positions (a hint for cuDNN's flash kernel, never a change)."""
     return _kernels.attention(
         q_btnh, k_bskh, v_bskh, mask_bts, resolve_kernels(kernels), causal=causal
     )
@@ -187,17 +190,15 @@ def _project(x, w, contract: int = 1):
     return y.reshape(*lead, *w.shape[contract:])
 
 
-def _dense(x, w, b=None):
-    y = _project(x, w)
-    return y if b is None else y + b
+def _dense(x, w, b=None, contract: int = 1):
+    return _project(x, w, contract) if b is None else _project(x, w, contract) + b
 
 
 def _fuse_layer_params(stacked, i: int, cfg):
     """Layer i of the stacked params in inference layout, as its own arrays: q|k|v and gate|up
-    concatenated on the output axis (one dot each instead of three and two), o flattened to
-    [n * h, d] (a single contracting axis: with two, XLA:CPU transposed both operands of every
-    decode step's o dot), in the compute dtype (parameters may be stored in another). Each array
-    is one slice-and-concatenate of the stacked params."""
+    (and their biases) concatenated on the output axis (one dot each instead of three and two),
+    o flattened to [n * h, d] (with two contracting axes XLA:CPU transposed both operands of
+    every decode step's o dot), in the compute dtype (params may be stored in another)."""
     # LoRA adapters are merged in the stored dtype, then the sum is cast once
     p = lora_lib.merge_layer({name: w[i] for name, w in stacked.items()}, cfg.lora)
     p = {name: w.astype(cfg.jnp_dtype) for name, w in p.items()}
@@ -208,6 +209,8 @@ def _fuse_layer_params(stacked, i: int, cfg):
         biases = [p.pop(f"{name}_bias").reshape(-1) for name in "qkv"]
         p["qkv_bias"] = jnp.concatenate(biases, axis=-1)
     p["gate_up"] = jnp.concatenate([p.pop("gate"), p.pop("up")], axis=-1)
+    if cfg.mlp_bias:
+        p["gate_up_bias"] = jnp.concatenate([p.pop("gate_bias"), p.pop("up_bias")], axis=-1)
     return p
 
 
@@ -234,18 +237,20 @@ def _layer_qkv(p, cfg, x_btd, rope):
 def _layer_out(p, cfg, x_btd, attn_btnh):
     if "qkv" in p:  # fused (inference) layout: o is [n * h, d]
         b, t = attn_btnh.shape[:2]
-        x_btd = x_btd + _project(attn_btnh.reshape(b, t, -1), p["o"])
+        x_btd = x_btd + _dense(attn_btnh.reshape(b, t, -1), p["o"], p.get("o_bias"))
     else:
-        o_btd = _project(attn_btnh, p["o"], contract=2)
+        o_btd = _dense(attn_btnh, p["o"], p.get("o_bias"), contract=2)
         x_btd = x_btd + lora_lib.add_delta(o_btd, p, "o", attn_btnh, cfg.lora)
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     if "gate_up" in p:  # fused (inference) layout
-        gate_btf, up_btf = jnp.split(_dense(h_btd, p["gate_up"]), 2, axis=-1)
+        gate_btf, up_btf = jnp.split(_dense(h_btd, p["gate_up"], p.get("gate_up_bias")), 2, -1)
     else:
-        gate_btf = lora_lib.add_delta(_dense(h_btd, p["gate"]), p, "gate", h_btd, cfg.lora)
-        up_btf = lora_lib.add_delta(_dense(h_btd, p["up"]), p, "up", h_btd, cfg.lora)
+        gate_btf, up_btf = (
+            lora_lib.add_delta(_dense(h_btd, p[w], p.get(f"{w}_bias")), p, w, h_btd, cfg.lora)
+            for w in ("gate", "up")
+        )
     act_btf = jax.nn.silu(gate_btf) * up_btf
-    down_btd = _project(act_btf, p["down"])
+    down_btd = _dense(act_btf, p["down"], p.get("down_bias"))
     return x_btd + lora_lib.add_delta(down_btd, p, "down", act_btf, cfg.lora)
 
 
@@ -271,15 +276,8 @@ class Transformer(nnx.Module):
         # where token_logprobs puts the LM head and its chunks (a jgrpo.sharding.LogitShardings:
         # the vocab-parallel head), static in the graph def likewise (None = propagation)
         self.logit_shardings = None
-        d, f, n, k, h, l, v = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.num_layers,
-            cfg.vocab_size,
-        )
+        d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt, s = cfg.jnp_param_dtype, init_scale
         self.embed = _param(rngs, (v, d), ("vocab", "embed"), dt, s)
         layers = {
@@ -297,6 +295,11 @@ class Transformer(nnx.Module):
             layers["q_bias"] = _param(rngs, (l, n, h), ("layers", "heads", "head_dim"), dt, s)
             layers["k_bias"] = _param(rngs, (l, k, h), ("layers", "kv_heads", "head_dim"), dt, s)
             layers["v_bias"] = _param(rngs, (l, k, h), ("layers", "kv_heads", "head_dim"), dt, s)
+        if cfg.o_bias:
+            layers["o_bias"] = _param(rngs, (l, d), ("layers", "embed"), dt, s)
+        for name, width, axis in (("gate", f, "mlp"), ("up", f, "mlp"), ("down", d, "embed")):
+            if cfg.mlp_bias:
+                layers[f"{name}_bias"] = _param(rngs, (l, width), ("layers", axis), dt, s)
         if cfg.qk_norm:
             layers["q_norm"] = _param(rngs, (l, h), ("layers", "head_dim"), dt, None)
             layers["k_norm"] = _param(rngs, (l, h), ("layers", "head_dim"), dt, None)
@@ -317,8 +320,7 @@ class Transformer(nnx.Module):
         return x if where is None else jax.lax.with_sharding_constraint(x, where)
 
     def _layer_params(self, use_lora: bool = True):
-        """The stacked layer parameters as stored (param_dtype), with the LoRA adapters
-        (`*_lora_a/b`, float32) unless use_lora=False."""
+        """The stacked layer params as stored, with the LoRA adapters unless use_lora=False."""
         stacked = {name: p[...] for name, p in self.layers.items()}
         if use_lora and self.lora is not None:
             stacked |= {name: p[...] for name, p in self.lora.items()}
@@ -447,15 +449,13 @@ class Transformer(nnx.Module):
         only (0 where scored_bn is 0).
 
         The LM head, log-sum-exp and the gathered target logit run over chunks of
-        `cfg.logprob_chunk_size` positions (lax.map); with several chunks each is a
+        `cfg.logprob_chunk_size` positions along t (lax.map); with several chunks each is a
         `jax.checkpoint` (the backward recomputes its logits: memory O(b x chunk x v)); one chunk
-        is not (its logits are the chunk's either way; XLA merges its recompute with the forward
-        on some shardings only, so flops would depend on the mesh). Chunks run along t. Under
-        the trainer's `logit_shardings` the head is vocab-parallel (see
-        `jgrpo.sharding.LogitShardings`): each device holds a vocab slice of the head in its
-        stored dtype (cast to the compute dtype inside each chunk, so its gradient sums over
-        chunks in float32) and computes that slice's logits for the chunk's rows. Otherwise
-        (no mesh, or one that does not split the vocab) it is cast once, before the loop."""
+        is not (XLA merges its recompute with the forward on some shardings only, so flops
+        would depend on the mesh). Under the trainer's `logit_shardings` the head is
+        vocab-parallel (`jgrpo.sharding.LogitShardings`): each device holds a vocab slice in
+        its stored dtype (cast inside each chunk, so its gradient sums over chunks in float32)
+        and computes that slice's logits. Otherwise it is cast once, before the loop."""
         cfg = self.cfg
         seg = None if packed is None else packed[:2]
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, seg))

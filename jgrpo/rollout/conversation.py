@@ -1,23 +1,24 @@
 """Token ids of a conversation from its chat template: the token-in/token-out rule.
 
 A multi-turn rollout is kept as token ids. An assistant turn adds exactly the ids the sampler
-generated (its stop token included; loss mask 1). Any other message (tool results, an
-environment's observation) adds the ids of the chat template's rendering of it as a SUFFIX of
-the conversation (loss mask 0): what the template writes after the assistant's end-of-turn
-token (ChatML's "\\n" after <|im_end|>), the message(s), then the next generation prompt
-(<|im_start|>assistant\\n). Generated text is never decoded and tokenised back (TRL #5224 /
-#5144). suffix = render(history + messages, generation prompt) - render(history) up to its
-end-of-turn token, with a fixed stand-in history (user "x", assistant "x": independent of how a
-template re-renders earlier turns), tokenised alone: the whole rendering's ids where the
-tokenizer splits at the end-of-turn token (ChatML's special tokens make it so; tested).
-`ChatFormat(tokenizer, stop_ids, tools)`: `prompt_ids`, `reply_ids`, `assistant_ids` (what a model
-emits for a message: SFT targets) and `encode(messages) -> (ids, loss_mask)`, a whole
-conversation laid out as a rollout lays it out (warm-start traces use it).
-"""
+generated (its stop token included; mask 1). Any other message (tool results, an observation)
+adds the ids of the template's rendering of it as a SUFFIX of the conversation (mask 0): what
+the template writes after the assistant's end-of-turn token (ChatML's "\\n" after <|im_end|>),
+the message(s), then the generation prompt. Generated text is never decoded and tokenised back
+(TRL #5224 / #5144). suffix = render(history + messages, generation prompt) - render(history)
+up to its end-of-turn token, with a fixed stand-in history (user "x", assistant "x"), tokenised
+alone: the whole rendering's ids where the tokenizer splits at the end-of-turn token (tested).
+`ChatFormat(tokenizer, stop_ids, tools)`: `prompt_ids`, `reply_ids`, `assistant_ids` (SFT
+targets), `encode(messages) -> (ids, loss_mask)` and `stop_ids`: the given ones plus the first
+special token after an assistant turn's content (a Qwen2.5 base model's EOS is <|endoftext|>,
+its turns end with <|im_end|>), where a turn stops. `check_turn_template(folder)`: the
+pre-flight of all this (one-line ConfigError)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 _STAND_IN = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
@@ -35,9 +36,14 @@ class ChatFormat:
             raise TemplateError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
         self.tools = tools or None
-        self.stop_texts = [tokenizer.decode([int(i)]) for i in stop_ids]
         history = self.render(_STAND_IN)
-        self._history = history[: self._end_of_turn(history, history.rfind("x") + 1)]
+        content_end = history.rfind("x") + 1
+        special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        turn_end = [i for i in self.ids(history[content_end:]) if i in special][:1]
+        self.stop_ids = tuple(dict.fromkeys([*map(int, stop_ids), *turn_end]))
+        """The sampler's stop ids of a turn: the given ones and the template's end of turn."""
+        self.stop_texts = [tokenizer.decode([i]) for i in self.stop_ids]
+        self._history = history[: self._end_of_turn(history, content_end)]
         self._prompt_end = len(self.render(_STAND_IN[:1], generation_prompt=True))
 
     def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -54,7 +60,7 @@ class ChatFormat:
         if not found:
             raise TemplateError(
                 f"the chat template ends an assistant turn with none of the stop tokens "
-                f"{self.stop_texts}"
+                f"{self.stop_texts} and with no special token"
             )
         at, stop = min(found)
         return at + len(stop)
@@ -100,6 +106,29 @@ class ChatFormat:
             ids += part
             mask += [bit] * len(part)
         return ids, mask
+
+
+def check_turn_template(folder) -> None:
+    """Pre-flight of a multi-turn run's HF `folder` (before any model loads): its tokenizer
+    has a chat template that ends an assistant turn with a stop token (its EOS, config.json's
+    eos_token_id, or the special token the template ends a turn with) and gives reply ids."""
+    import transformers
+
+    from jgrpo.config import ConfigError
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    eos = json.loads((Path(folder) / "config.json").read_text()).get("eos_token_id")
+    stops = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
+    try:
+        chat = ChatFormat(tokenizer, [i for i in stops if i is not None])
+        chat.reply_ids([tool_message("f", "1")])
+    except Exception as e:  # TemplateError, or the template's own (jinja) error
+        raise ConfigError(
+            f"model.path: {str(folder)!r}: multi-turn rollouts (rollout.max_turns > 1, "
+            f"data.tools, data.environment) cannot use its chat template: {str(e).splitlines()[0]} "
+            "(give the folder a chat template whose assistant turns end with a special token, "
+            "or set rollout.max_turns: 1 without tools or an environment)"
+        ) from None
 
 
 def tool_message(name: str, content: str) -> dict[str, Any]:

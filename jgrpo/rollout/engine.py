@@ -31,7 +31,7 @@ from jgrpo.config import Config, ConfigError
 from jgrpo.rollout import dapo, turns
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.dapo import PADDED_KEYS
-from jgrpo.tasks.child import OK, TIMEOUT
+from jgrpo.tasks.child import ERROR, OK, TIMEOUT
 
 STEP_KEYS = tuple(TrainBatch.FIELDS)
 """The batch fields the train step consumes (jgrpo.batch.TrainBatch)."""
@@ -47,6 +47,9 @@ class RolloutResult:
     """A few (prompt, completion, reward) records for logging (logging.num_samples)."""
     reward_names: tuple[str, ...] = ()
     """Names of the custom reward terms, the columns of batch["reward_terms"]."""
+    failures: list = dataclasses.field(default_factory=list)
+    """Each piece of user code's first failure in this batch (jgrpo.tasks.child.Failure): the
+    backends hand them to `report_failures` in the trainer process."""
 
     def step_batch(self) -> TrainBatch:
         """The train step's input: the TrainBatch fields of `batch` (checked)."""
@@ -66,15 +69,25 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
                 b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    counts = {k: float(sum(r.stats[k] for r in results)) for k in REWARD_FAILURE_KEYS}
+    counts = {k: float(sum(r.stats[k] for r in results)) for k in failure_keys(results[0].stats)}
     # workers run side by side: a phase lasts as long as its slowest worker
     counts |= {k: max(r.stats[k] for r in results) for k in PHASE_KEYS if k in results[0].stats}
     samples = [s for r in results for s in r.samples]
     names = results[0].reward_names
-    return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+    failures = [f for r in results for f in r.failures]
+    return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
+
+
+def failure_keys(stats: dict) -> tuple[str, ...]:
+    """The counts of a rollout's failures that add up over workers and hosts: the reward
+    failures and each tool's `tools/<name>/num_errors` (every worker reports every tool)."""
+    tools = sorted(k for k in stats if k.startswith("tools/") and k.endswith("/num_errors"))
+    return REWARD_FAILURE_KEYS + tuple(tools)
+
+
 PHASE_KEYS = (
     "perf/sample_s",
     "perf/detokenize_s",
@@ -97,7 +110,6 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         "length/min": float(lengths.min()),
         "length/max": float(lengths.max()),
         "length/truncation_rate": float(batch["truncated"].mean()),
-        "completions/clipped_ratio": float(batch["truncated"].mean()),
         "batch/frac_reward_zero_std": dapo.frac_zero_std(batch),
         "rollout/weight_version_min": float(batch["weight_version"].min()),
         "rollout/weight_version_max": float(batch["weight_version"].max()),
@@ -113,6 +125,9 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
         column = terms[:, f].astype(np.float64)
         given = ~np.isnan(column)
         stats[f"reward/{name}/mean"] = float(column[given].mean()) if given.any() else math.nan
+        if "reward_status" in batch:
+            failed = batch["reward_status"][:, f] == ERROR
+            stats[f"reward/{name}/num_errors"] = float(failed.sum())
     return stats
 
 
@@ -131,7 +146,7 @@ def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResul
         for k in PADDED_KEYS:
             batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
     stats = gather_pod_rows(RolloutResult(batch, result.stats, [], result.reward_names)).stats
-    return RolloutResult(batch, stats, result.samples, result.reward_names)
+    return RolloutResult(batch, stats, result.samples, result.reward_names, result.failures)
 
 
 def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutResult:
@@ -146,8 +161,11 @@ def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutR
     counts = distributed.allgather(np.asarray([local[k] for k in REWARD_FAILURE_KEYS]))
     total = np.sum(counts, axis=0)
     failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    # per-tool counts: this host's (a host with no rows may not know the tools' names)
+    failures |= {k: local[k] for k in failure_keys(local)[len(REWARD_FAILURE_KEYS) :]}
     phases = {k: local[k] for k in PHASE_KEYS if k in local}  # this host's phase timings
-    return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names)
+    mine = [] if result is None else result.failures  # this host's, reported by this host
+    return RolloutResult(rows, batch_stats(rows, names) | failures | phases, [], names, mine)
 
 
 class RolloutEngine:
@@ -321,6 +339,9 @@ class RolloutEngine:
         batch["reward_terms"] = np.asarray(info["reward_terms"], np.float32).reshape(
             len(rows), len(names)
         )
+        batch["reward_status"] = np.asarray(info["reward_status"], np.int8).reshape(
+            len(rows), len(names)
+        )
         if training:
             dapo.shape_training_batch(batch, self.cfg)
         elif (votes := task.votes(completions)) is not None:
@@ -336,6 +357,9 @@ class RolloutEngine:
         }
         if self.multi_turn:
             counts["perf/tools_s"] = reset_s + conv.tools_s
+            for schema in self.task.tool_runner.schemas:
+                tool = schema["function"]["name"]
+                counts[f"tools/{tool}/num_errors"] = float(conv.tool_errors_by_name.get(tool, 0))
             # the whole conversation after the prompt, special tokens shown
             completions = [self.tokenizer.decode(ids) for ids in completion_ids]
         samples = [
@@ -350,7 +374,8 @@ class RolloutEngine:
             }
             for b in range(min(self.cfg.logging.num_samples, len(rows)))
         ]
-        return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names)
+        failures = list(info["failures"]) + self.task.tool_runner.take_failures()
+        return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 
 def vote_ids(votes) -> np.ndarray:

@@ -29,6 +29,7 @@ from jgrpo.rollout.engine import (
     step_key,
     train_salt,
 )
+from jgrpo.tasks.child import report_failures
 
 
 class LocalRollout:
@@ -71,6 +72,7 @@ class LocalRollout:
             self.num_generations,
             first_prompt=first,
         )
+        report_failures(result.failures)  # user code is loud: once per name, in this process
         if not distributed.is_multiprocess():
             return result
         return join_pod_slice(result, group_offset=first)
@@ -89,7 +91,7 @@ class LocalRollout:
         return gather_pod_rows(result, names)  # None: fewer examples than hosts, none here
 
     def _evaluate(self, examples: list, key, pass_k: int, first: int, val_set) -> RolloutResult:
-        return self.engine.rollout(
+        result = self.engine.rollout(
             self.graphdef,
             self._model_params(),
             examples,
@@ -101,6 +103,8 @@ class LocalRollout:
             training=False,
             val_set=val_set,
         )
+        report_failures(result.failures)
+        return result
 
     def _model_params(self):
         return nnx.state(join_lora(self.graphdef, self.params, self.frozen))

@@ -39,6 +39,7 @@ from jgrpo.rollout.engine import (
     train_salt,
 )
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
+from jgrpo.tasks.child import report_failures
 
 
 def init_ray(address: Optional[str] = None, num_cpus: Optional[int] = None) -> bool:
@@ -502,6 +503,7 @@ class RayRollout:
         """Wait for every part of `name` and join them in row order."""
         jobs = self._parts.pop(name)
         parts = [self._wait_for(job.name) for job in jobs]
+        report_failures([f for p in parts for f in p.failures])  # the workers' user code, once
         result = concat_results(parts, [job.first_prompt for job in jobs]) if parts else None
         if self.pod:  # this host's rows, the pod's statistics (collective)
             if name[0] == "train":

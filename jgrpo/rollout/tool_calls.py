@@ -5,8 +5,10 @@ one place a format is named. `hermes` (Qwen2.5 / Qwen3, NousResearch's Hermes): 
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (whitespace around the JSON allowed),
 the content is the text before the first `<tool_call>`, stripped. A block that is not a JSON
 object with a string `name` and an object `arguments` (a JSON string holding one is accepted)
-becomes a `ParsedTurn.errors` entry: the turn loop answers it with an error tool message, as it
-does a failing call. To add a format: write `parse_<name>(text) -> ParsedTurn`, add it to
+stays in its place as an error string: `ParsedTurn.blocks` holds every block in the order of
+the text, a ToolCall or an error, and the turn loop answers block i with tool message i (an
+error message for a malformed block, as for a failing call). To add a format: write
+`parse_<name>(text) -> ParsedTurn`, add it to
 `FORMATS` and its name to the `RolloutConfig.tool_call_format` Literal.
 The text parsed is the decoded generated ids; it is never tokenised back (the conversation keeps
 the generated ids themselves: jgrpo.rollout.conversation).
@@ -34,9 +36,19 @@ class ParsedTurn:
 
     content: str
     """The text outside the tool calls (before the first one)."""
-    calls: tuple[ToolCall, ...] = ()
-    errors: tuple[str, ...] = ()
-    """One message per malformed call block (answered as a failed call)."""
+    blocks: tuple[ToolCall | str, ...] = ()
+    """Every call block in the order of the text: its ToolCall, or for a malformed block the
+    error message that answers it (in its place: answer i goes with block i)."""
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        """The well-formed calls, in order."""
+        return tuple(b for b in self.blocks if isinstance(b, ToolCall))
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        """The error messages of the malformed blocks, in order."""
+        return tuple(b for b in self.blocks if isinstance(b, str))
 
     def message(self) -> dict:
         """The assistant message in transformers' chat format (`tool_calls` only when there are
@@ -58,23 +70,18 @@ def parse_hermes(text: str) -> ParsedTurn:
     start = text.find("<tool_call>")
     if start < 0:
         return ParsedTurn(content=text.strip())
-    calls, errors = [], []
-    for match in _HERMES_RE.finditer(text, start):
-        call, error = _json_call(match.group(1))
-        if call is None:
-            errors.append(error)
-        else:
-            calls.append(call)
-    return ParsedTurn(content=text[:start].strip(), calls=tuple(calls), errors=tuple(errors))
+    blocks = tuple(_json_call(m.group(1)) for m in _HERMES_RE.finditer(text, start))
+    return ParsedTurn(content=text[:start].strip(), blocks=blocks)
 
 
-def _json_call(body: str) -> tuple[ToolCall | None, str]:
+def _json_call(body: str) -> ToolCall | str:
+    """The call of one block, or the error message answering it."""
     try:
         value = json.loads(body)
     except ValueError as e:
-        return None, f"error: the tool call is not valid JSON ({e.msg} at char {e.pos})"
+        return f"error: the tool call is not valid JSON ({e.msg} at char {e.pos})"
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None, 'error: a tool call must be {"name": ..., "arguments": {...}}'
+        return 'error: a tool call must be {"name": ..., "arguments": {...}}'
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
@@ -82,8 +89,8 @@ def _json_call(body: str) -> tuple[ToolCall | None, str]:
         except ValueError:
             pass
     if not isinstance(arguments, dict):
-        return None, f"error: the arguments of {value['name']!r} must be a JSON object"
-    return ToolCall(value["name"], arguments), ""
+        return f"error: the arguments of {value['name']!r} must be a JSON object"
+    return ToolCall(value["name"], arguments)
 
 
 FORMATS = {"hermes": parse_hermes}

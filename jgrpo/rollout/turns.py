@@ -2,17 +2,17 @@
 
 A row is [left-padded prompt, P][completion region, N = rollout.max_new_tokens][pad]; the region
 holds gen_1 ++ reply_1 ++ gen_2 ++ ...: gen_t the sampler's ids of turn t, stop token included
-(generated: loss mask 1, their logprobs kept), reply_t the chat template's suffix for the tool
-results or observation that answered it (mask 0, attended; jgrpo.rollout.conversation). A row
-ends when a turn makes no tool call and the environment (if any) is done or absent, after
-rollout.max_turns turns, or when the region runs out (truncated: a turn reached its end, or the
-next reply leaves no room for one generated token). Turn t is one `sampling.generate` over the
-running rows with the whole sequence so far as prompt (re-prefill), key `key` for t = 1 (so one
-turn is exactly the single-turn rollout) and fold_in(key, t) after, each row keyed by its global
-index. Compiled shapes stay bounded: running rows are padded (a repeated row draws identically)
-to a power of two (at most B), contexts to a multiple of rollout.prompt_bucket, and a turn's
-max_new_tokens is the largest remaining budget rounded up to one; rows are cut at their own
-budget on the host. Tool calls and environment steps of a turn run as one batch of ops."""
+(mask 1, logprobs kept; a turn also stops at the template's end-of-turn token, ChatFormat.stop_ids),
+reply_t the chat template's suffix for the tool results or observation answering it (mask 0;
+jgrpo.rollout.conversation). A row ends when a turn makes no tool call and the environment (if
+any) is done or absent, after rollout.max_turns turns, or when the region runs out (truncated: a
+turn reached its end, or the next reply leaves no room for one generated token). Turn t is one
+`sampling.generate` over the running rows with the whole sequence so far as prompt (re-prefill),
+key `key` for t = 1 (so one turn is the single-turn rollout) and fold_in(key, t) after, each row
+keyed by its global index. Compiled shapes stay bounded: running rows are padded (a repeated row
+draws identically) to a power of two (at most B), contexts to a multiple of prompt_bucket, a
+turn's max_new_tokens is the largest remaining budget rounded up to one; rows are cut at their
+own budget on the host. Tool calls and environment steps of a turn run as one batch of ops."""
 
 from __future__ import annotations
 
@@ -96,6 +96,8 @@ class Conversations:
     """Seconds spent decoding turns (for the tool-call parser and the environment)."""
     tools_s: float = 0.0
     """Seconds spent in tool calls, environment steps and the replies' ids."""
+    tool_errors_by_name: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Calls of each named tool that failed (raised, timed out, returned what is not text)."""
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -125,6 +127,9 @@ def run_turns(
     `environment_ok` [B] marks the resets that succeeded) are needed once a reply can happen
     (settings.tools / settings.environment)."""
     b_total, n = len(prompts), params.max_new_tokens
+    if chat is not None:  # a turn also ends at the template's end-of-turn token
+        stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_ids)))
+        params = dataclasses.replace(params, stop_token_ids=stops)
     region: list[list[int]] = [[] for _ in range(b_total)]
     lps: list[list[float]] = [[] for _ in range(b_total)]
     gen_bits: list[list[bool]] = [[] for _ in range(b_total)]
@@ -136,6 +141,7 @@ def run_turns(
     messages: list[list[dict]] = [[] for _ in range(b_total)]
     first_gen = None
     seconds = {"decode": 0.0, "tools": 0.0}
+    by_name: dict[str, int] = {}
     for turn in range(1, settings.max_turns + 1):
         running = np.flatnonzero(alive)
         if running.size == 0:
@@ -166,16 +172,19 @@ def run_turns(
                 truncated[b], alive[b] = True, False
                 continue
             last = turn == settings.max_turns
-            if parsed.calls or parsed.errors:
-                counts["tool_calls"][b] += len(parsed.calls) + len(parsed.errors)
+            if parsed.blocks:
+                counts["tool_calls"][b] += len(parsed.blocks)
                 counts["tool_errors"][b] += len(parsed.errors)
                 if last:
                     alive[b] = False
                     continue
-                pending[b] = [tool_message("", e) for e in parsed.errors]
-                for call in parsed.calls:
-                    pending[b].append(tool_message(call.name, ""))
-                    ops.append(("call", int(b), (call.name, call.arguments), len(pending[b]) - 1))
+                pending[b] = []  # tool message i answers block i: errors stay in place
+                for block in parsed.blocks:
+                    if isinstance(block, str):
+                        pending[b].append(tool_message("", block))
+                        continue
+                    pending[b].append(tool_message(block.name, ""))
+                    ops.append(("call", int(b), (block.name, block.arguments), len(pending[b]) - 1))
             elif settings.environment and environment_ok[b]:
                 pending[b] = []
                 ops.append(("step", int(b), text, None))
@@ -183,9 +192,10 @@ def run_turns(
                 alive[b] = False
         start = time.perf_counter()
         results = runner.run([op[:3] for op in ops]) if ops else []
-        for (kind, b, _, slot), (status, value) in zip(ops, results):
+        for (kind, b, arg, slot), (status, value) in zip(ops, results):
             if kind == "call":
                 counts["tool_errors"][b] += status != OK
+                by_name[arg[0]] = by_name.get(arg[0], 0) + (status != OK)
                 counts["tool_timeouts"][b] += status == TIMEOUT
                 pending[b][slot] = dict(pending[b][slot], content=value)
                 continue
@@ -216,7 +226,9 @@ def run_turns(
             messages[b] += reply
         seconds["tools"] += time.perf_counter() - start
     conv = _pack(first_gen, region, lps, gen_bits, truncated, texts, messages, counts, env_reward)
-    return dataclasses.replace(conv, decode_s=seconds["decode"], tools_s=seconds["tools"])
+    return dataclasses.replace(
+        conv, decode_s=seconds["decode"], tools_s=seconds["tools"], tool_errors_by_name=by_name
+    )
 
 
 def _cut(message: dict, tokenizer, settings: TurnSettings, counts: dict, b: int) -> dict:

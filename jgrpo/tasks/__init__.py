@@ -13,6 +13,7 @@ countdown `numbers` and `target`, task `prompts` `row` (the record). Bare prompt
 "12+34-5=" -> "41", countdown "3,5,2:16=" -> "(3+5)*2", gsm8k "Q: {question}\\nA:" ->
 " {solution without <<..>>, ending '#### N'}"; calculator has none (chat, with a tool)."""
 
+from jgrpo.tasks.child import UserCodeError
 from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
 from jgrpo.tasks.rewards import RewardRunner, import_reward_function
 from jgrpo.tasks.task import Task, make_task
@@ -33,6 +34,7 @@ __all__ = [
     "Rows",
     "SyntheticStream",
     "Task",
+    "UserCodeError",
     "evaluate_expression",
     "extract_answer",
     "extract_expression",

@@ -9,10 +9,14 @@ from a slow call without asking it. Inside the child every call runs under a SIG
 raises `CallTimeout` (a BaseException: `except Exception` in user code cannot swallow it). User
 code is named `module:attr` (imported in the child) or sent as cloudpickled bytes
 (`object_payload`); `load_all` loads each under data.reward_import_timeout_s. The child dies
-with its parent (PR_SET_PDEATHSIG, Linux) and is killed when the parent drops it."""
+with its parent (PR_SET_PDEATHSIG, Linux) and is killed when the parent drops it.
+User code is loud: a failing call becomes a `Failure` (name, where, traceback) that travels
+with the batch to the trainer process, where `report_failures` prints each name's first one
+once per run (or raises `UserCodeError`, data.reward_errors: raise)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import mmap
 import os
@@ -21,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from jgrpo.config import ConfigError
@@ -63,6 +69,74 @@ class CallTimeout(BaseException):
     """Raised by SIGALRM inside a user call; BaseException so `except Exception` can't eat it."""
 
 
+class UserCodeError(RuntimeError):
+    """data.reward_errors: raise: a reward function failed; the message holds its name, the
+    sample and the traceback (the CLI prints it and exits 1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The first failure of one piece of user code in one batch (picklable: it travels from a
+    Ray worker to the trainer with the batch)."""
+
+    name: str
+    """How messages name the code: `data.reward_functions[0] ('format_ok')`."""
+    where: str
+    """Which call: `sample 3`, `samples 0-15 (one batched call)`, `a tool call (row 5)`."""
+    text: str
+    """The traceback (or what was wrong with the returned value)."""
+    counter: str = ""
+    """The metric that counts its failures: `reward/format_ok/num_errors`."""
+    fatal: bool = False
+    """Stop the run (data.reward_errors: raise) instead of reporting once and counting."""
+
+
+_OURS = {str(Path(__file__).with_name(n)) for n in ("child.py", "rewards.py", "tools.py")}
+"""The files whose frames sit above a user call in the child."""
+
+
+def raised_in_user_code(e: BaseException) -> bool:
+    """`e` came from inside the user's code, not from calling it (e.g. a tool called with
+    arguments it does not take: the model's mistake, told to the model, not a bug to show)."""
+    return any(f.filename not in _OURS for f in traceback.extract_tb(e.__traceback__))
+
+
+def format_traceback(e: BaseException) -> str:
+    """The traceback of `e` caught in the child, without the child's own frames (those above
+    the user call): what the user needs to find the bug."""
+    frames = traceback.extract_tb(e.__traceback__)
+    keep = next((i for i, f in enumerate(frames) if f.filename not in _OURS), None)
+    if keep is None:  # raised by our checks of what the code returned: the message says it
+        return "".join(traceback.format_exception_only(type(e), e)).rstrip()
+    tb = e.__traceback__
+    for _ in range(keep):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb)).rstrip()
+
+
+_REPORTED: set[str] = set()
+"""Names whose first failure this process has printed (once per run: one trainer process)."""
+
+
+def report_failures(failures) -> None:
+    """In the trainer process: print each named code's first failure to stderr, once per run
+    (later ones are only counted); raise UserCodeError for a fatal one."""
+    for f in failures:
+        if f.fatal:
+            raise UserCodeError(
+                f"{f.name} failed at {f.where} (data.reward_errors: raise):\n{f.text}"
+            )
+    for f in failures:
+        if f.name in _REPORTED:
+            continue
+        _REPORTED.add(f.name)
+        sys.stderr.write(
+            f"jgrpo: warning: {f.name} failed at {f.where} (shown once; every failure is "
+            f"counted in {f.counter}):\n{f.text}\n"
+        )
+        sys.stderr.flush()
+
+
 def on_alarm(signum, frame):
     raise CallTimeout()
 
@@ -87,8 +161,39 @@ def import_object(spec: str) -> Any:
         raise
     except BaseException as e:  # noqa: BLE001 - any import-time failure is a config error
         detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        if isinstance(e, ModuleNotFoundError) and f"{module_name}.".startswith(f"{e.name}."):
+            detail += f"; looked in {', '.join(search_folders())} and the installed packages"
         raise LoadError(f"cannot import {spec!r} ({detail})") from None
     return obj
+
+
+def search_folders() -> list[str]:
+    """The folders on sys.path that can hold user modules (the Python installation's own,
+    the standard library and site-packages, left out), as an import error lists them."""
+    inside = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    folders: list[str] = []
+    for entry in sys.path:
+        full = os.path.realpath(entry or os.getcwd())
+        if any(full == p or full.startswith(p + os.sep) for p in inside):
+            continue
+        if full not in folders and os.path.isdir(full):
+            folders.append(full)
+    return folders
+
+
+def add_user_folders(config_path: str | os.PathLike | None = None) -> None:
+    """The CLI's start: `module:function` may name a module in the working folder or next to
+    the config file, as `python script.py` finds one next to its script. Both folders go at the
+    end of sys.path (the trainer and its child processes: they never shadow an installed
+    package) and of PYTHONPATH (what Ray workers get, `ray_backend._driver_paths`)."""
+    folders = [os.getcwd()]
+    if config_path is not None:
+        folders.append(str(Path(config_path).resolve().parent))
+    for folder in folders:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    known = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(known + folders))
 
 
 def object_payload(obj: str | Callable, key: str, what: str) -> tuple[str, Any]:

@@ -361,7 +361,8 @@ class SyntheticStream:
 
 
 def split_indices(num_records: int, num_val: int, split_seed: Optional[int] = 0):
-    """(train, val) index arrays of a seeded split; val holds min(num_val, num_records // 2)."""
+    """(train, val) index arrays of a seeded split; val holds exactly num_val of the records."""
+    if not 0 <= num_val <= num_records:
+        raise ValueError(f"split_indices: {num_val} held out of {num_records} records")
     order = _rng(split_seed, 1_000_003).permutation(num_records)
-    num_val = min(num_val, num_records // 2)
     return np.sort(order[num_val:]), np.sort(order[:num_val])

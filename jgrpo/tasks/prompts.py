@@ -6,9 +6,9 @@ the reward functions as a keyword argument (a list aligned with the rows, as in 
 
 Prompt text: a message list goes through the tokenizer's chat template (with
 `add_generation_prompt=True`; data.system_prompt is put first unless the list starts with a
-system message); a string is wrapped as one user message when data.use_chat_template and the
-tokenizer has a template, else used verbatim. There is no built-in verifier (so no accuracy
-metric): the reward is data.reward_functions alone.
+system message); a string is used verbatim (TRL's convention) unless data.use_chat_template
+is true and the tokenizer has a template, then it is wrapped as one user message. There is no
+built-in verifier (so no accuracy metric): the reward is data.reward_functions alone.
 
 What a reward function sees for row b (TRL's conventions): `prompts[b]` is the record's prompt
 value as stored (string or messages), `completions[b]` the generated text, or

@@ -1,28 +1,29 @@
 """Custom reward functions: the signature, the start-up check and contained execution.
 
 Signature (TRL's), called once per function per scored batch, every argument a list aligned
-with the rows and passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
-list[float | None]` (`completions[b]` is `[{"role": "assistant", "content": text}]` for chat
-prompts; `completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per
-dataset column). `per_sample: true` keeps `fn(prompt, completion, example) -> float`. None =
-no reward from this function for this sample (counted, not a zero); a sample whose every term
-is None gets sample_mask 0. Exceptions, timeouts and non-numbers score 0 and are counted.
-Functions run in a child process (`python -c`, nothing forked; given as `module:function` or
-cloudpickled objects): `RewardRunner.start` imports/unpickles and checks every function under
-data.reward_import_timeout_s before any model loads (a failing import is a ConfigError naming
-it); each call runs under a SIGALRM timer of data.reward_timeout_s, and a hang that ignores
-signals is killed by the parent after `reward_timeout_s + KILL_SLACK_S` (the child restarts,
-unfinished work is resubmitted). docs/rewards.md: the full rules, per-sample timeouts too."""
+with the rows, passed as keywords: `fn(prompts, completions, completion_ids, **columns) ->
+list[float | None]` (chat prompts get `[{"role": "assistant", "content": text}]` completions;
+`completion_ids[b]` holds the stop token unless truncated, as TRL's; one list per column).
+`per_sample: true` keeps `fn(prompt, completion, example) -> float`. In both forms None or NaN
+= no reward from this function for this sample (counted, not a zero); a sample whose every
+term is None gets sample_mask 0. Exceptions, timeouts, infinities and non-numbers score 0 and
+are counted; each function's first failure in a batch comes back with its traceback (`run`).
+Functions run in a child process (`python -c`, nothing forked; `module:function` or
+cloudpickled objects): `RewardRunner.start` imports and checks every function under
+data.reward_import_timeout_s before any model loads (failing: a ConfigError naming it); each
+call runs under a SIGALRM timer of data.reward_timeout_s; a hang that ignores signals is killed
+after `reward_timeout_s + KILL_SLACK_S` (restart, resubmit). docs/rewards.md: the full rules."""
 
 from __future__ import annotations
 
 import inspect
 import math
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from jgrpo.tasks.child import (  # noqa: F401 - OK .. NONE: RewardRunner.run's s
     StartFailure,
     attach,
     describe,
+    format_traceback,
     import_object,
     load_all,
     object_payload,
@@ -92,27 +94,38 @@ def _payload(rf: RewardFunctionConfig, key: str) -> tuple:
 # ----------------------------------------------------------------------------- the child
 
 
-def _batch_result(out: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, status) of one batched call's return value (see the module docstring)."""
+def _batch_result(out: Any, n: int) -> tuple[np.ndarray, np.ndarray, Optional[tuple]]:
+    """(values, status, problem) of one batched call's return value (module docstring);
+    problem: (sample, what is wrong) of the first value that is not a number or None."""
     values = np.zeros(n, np.float64)
     status = np.full(n, ERROR, np.int8)
     if isinstance(out, np.ndarray):
         out = out.tolist()
     if not isinstance(out, (list, tuple)) or len(out) != n:
-        return values, status
+        what = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
+        return values, status, (None, f"returned {what} for {n} samples (want a list of {n})")
+    problem = None
     for j, v in enumerate(out):
-        if v is None:
-            status[j] = NONE
-            continue
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            continue
-        if math.isnan(v):
-            status[j] = NONE
-        elif math.isfinite(v):
-            values[j], status[j] = v, OK
-    return values, status
+        values[j], status[j], wrong = _one_value(v)
+        if wrong and problem is None:
+            problem = (j, wrong)
+    return values, status, problem
+
+
+def _one_value(v: Any) -> tuple[float, int, Optional[str]]:
+    """(value, status, what is wrong) of one returned reward: None and NaN are NONE (no
+    reward from this function), a finite number OK, anything else an ERROR."""
+    if v is None:
+        return 0.0, NONE, None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return 0.0, ERROR, f"returned {v!r:.80}, not a number or None"
+    if math.isnan(x):
+        return 0.0, NONE, None
+    if not math.isfinite(x):
+        return 0.0, ERROR, f"returned {x}, not a finite number"
+    return x, OK, None
 
 
 def _columns(records: Sequence[dict], start: int, stop: int) -> dict[str, list]:
@@ -140,7 +153,7 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
         ranges, prompts, completions, records, completion_ids = job
         for f, start, stop in ranges:
             if specs[f][2]:
-                values, status = _run_per_sample(
+                values, status, failure = _run_per_sample(
                     fns[f], f, start, stop, prompts, completions, records, progress, timeout_s
                 )
             else:
@@ -148,6 +161,8 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                 kwargs = _columns(records, start, stop)
                 if completion_ids is not None:
                     kwargs["completion_ids"] = completion_ids[start:stop]
+                values, status = np.zeros(stop - start), np.full(stop - start, ERROR, np.int8)
+                failure = None
                 try:
                     signal.setitimer(signal.ITIMER_REAL, timeout_s)
                     try:
@@ -158,12 +173,16 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                         )
                     finally:
                         signal.setitimer(signal.ITIMER_REAL, 0)
-                    values, status = _batch_result(result, stop - start)
+                    values, status, problem = _batch_result(result, stop - start)
+                    if problem is not None:
+                        j, what = problem
+                        rows = (start, stop - 1) if j is None else (start + j, start + j)
+                        failure = (*rows, f"the batched call {what}")
                 except CallTimeout:
-                    values, status = np.zeros(stop - start), np.full(stop - start, TIMEOUT, np.int8)
-                except BaseException:  # noqa: BLE001 - any failure of user code scores 0
-                    values, status = np.zeros(stop - start), np.full(stop - start, ERROR, np.int8)
-            out.send((f, start, values, status))
+                    status = np.full(stop - start, TIMEOUT, np.int8)
+                except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
+                    failure = (start, stop - 1, format_traceback(e))
+            out.send((f, start, values, status, failure))
             PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
 
 
@@ -172,6 +191,7 @@ def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress,
 
     values = np.zeros(stop - start, np.float64)
     status = np.zeros(stop - start, np.int8)
+    failure = None
     hung = False
     for i in range(start, stop):
         if hung:
@@ -184,16 +204,17 @@ def _run_per_sample(fn, f, start, stop, prompts, completions, records, progress,
                 value = fn(prompts[i], completions[i], records[i])
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"non-finite reward {value}")
-            values[i - start] = value
+            values[i - start], status[i - start], wrong = _one_value(value)
+            if wrong and failure is None:
+                failure = (i, i, wrong)
         except CallTimeout:
             status[i - start] = TIMEOUT
             hung = True
-        except BaseException:  # noqa: BLE001 - any failure of user code scores 0
+        except BaseException as e:  # noqa: BLE001 - any failure of user code scores 0
             status[i - start] = ERROR
-    return values, status
+            if failure is None:
+                failure = (i, i, format_traceback(e))
+    return values, status, failure
 
 
 # ----------------------------------------------------------------------------- the parent
@@ -203,9 +224,11 @@ class RewardRunner:
     """Runs reward functions in a child process with timeouts (see the module docstring).
 
     `run(prompts, completions, records, completion_ids)` returns (values float64[F, N], status
-    int8[F, N]) with status OK / ERROR / TIMEOUT / NONE; values are 0 wherever status is not
-    OK. `start()` is the start-up check. Picklable: the child is not part of the state and
-    starts lazily in whichever process calls `run`.
+    int8[F, N], failures) with status OK / ERROR / TIMEOUT / NONE, values 0 wherever status is
+    not OK, failures {f: (first sample, last sample, traceback or problem)}: function f's
+    first failure (a batched call's covers its samples).
+    `start()` is the start-up check. Picklable: the child is not part of the state and starts
+    lazily in whichever process calls `run`.
     """
 
     def __init__(
@@ -283,33 +306,37 @@ class RewardRunner:
 
     def run(
         self, prompts, completions, records, completion_ids=None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, int, str]]]:
         n, num_fns = len(prompts), len(self.functions)
         values = np.zeros((num_fns, n), np.float64)
         status = np.zeros((num_fns, n), np.int8)
+        failures: dict[int, tuple[int, int, str]] = {}
         if n == 0 or num_fns == 0:
-            return values, status
+            return values, status, failures
         ids = None if completion_ids is None else [list(map(int, c)) for c in completion_ids]
         payload = (list(prompts), list(completions), list(records), ids)
         todo = [(f, 0, n) for f in range(num_fns)]
         with self._lock:
             while todo:
-                todo = self._run_once(todo, payload, values, status)
-        return values, status
+                todo = self._run_once(todo, payload, values, status, failures)
+        return values, status, failures
 
-    def _run_once(self, ranges, payload, values, status) -> list[tuple[int, int, int]]:
-        """Send `ranges` to the child; after a kill or crash, return the ranges still to run."""
+    def _run_once(self, ranges, payload, values, status, failures) -> list[tuple[int, int, int]]:
+        """Send `ranges` to the child; after a kill or crash, return the ranges still to run.
+        `failures[f]` gets function f's first (first sample, last sample, what happened)."""
         if self._child is None or self._child.proc.poll() is not None:
             self.close()
             self._child = self._new_child()
             try:
                 failed = self._child.wait_ready()[1]
-            except StartFailure:
-                failed = [(f, "") for f in range(len(self.functions))]
+            except StartFailure as e:
+                failed = [(f, str(e)) for f in range(len(self.functions))]
             if failed:  # cannot load (only where no start-up check ran): these calls fail
                 self.close()
+                problems = dict(failed)
                 for f, start, stop in ranges:
                     status[f, start:stop] = ERROR
+                    failures.setdefault(f, (start, stop - 1, problems.get(f) or failed[0][1]))
                 return []
         child = self._child
         pending = {(f, start): stop for f, start, stop in ranges}
@@ -318,9 +345,11 @@ class RewardRunner:
             child.send_conn.send((ranges, *payload))
             while pending:
                 if child.recv_conn.poll(0.05):
-                    f, start, vals, stats = child.recv_conn.recv()
+                    f, start, vals, stats, problem = child.recv_conn.recv()
                     values[f, start : start + len(vals)] = vals
                     status[f, start : start + len(stats)] = stats
+                    if problem is not None:
+                        failures.setdefault(f, problem)
                     del pending[(f, start)]
                     continue
                 f, i, started = child.read_progress()
@@ -334,12 +363,21 @@ class RewardRunner:
         except (EOFError, OSError):
             pass
         f, i, _ = child.read_progress()
+        code = None
+        if failure == ERROR:  # the pipe may close a moment before the exit code is known
+            try:
+                code = child.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
         self.close()
         key = next(((g, s) for (g, s), e in pending.items() if g == f and s <= i < e), None)
         if key is None:  # died between functions: rerun everything unfinished
             return [(g, s, e) for (g, s), e in pending.items()]
         stop = pending.pop(key)
         status[f, i] = failure
+        if failure == ERROR:
+            rows = (i, i) if self.functions[f].per_sample else (key[1], stop - 1)
+            failures.setdefault(f, (*rows, f"it ended {_WHAT} (exit code {code})"))
         rest = [(g, s, e) for (g, s), e in pending.items()]
         if key[1] < i:
             rest.insert(0, (f, key[1], i))  # rerun the samples the dead child had finished

@@ -7,12 +7,12 @@ synthetic tasks) + a prompt per record + reward terms. The kinds, dispatched in 
 (`_KINDS`), differ only in prompts, references, generation and verifier: arithmetic, countdown
 and gsm8k have a built-in verifier (weighted by data.task_reward_weight); `prompts` takes the
 prompt from a dataset column and is scored by data.reward_functions alone.
-Validation set: data.val_path (or eval_dataset): its first data.num_val_examples records; else,
-for file data, a seeded split of the training records (at most half of them); else a synthetic
-set disjoint from every training example (dedup key: the question for arithmetic, the number
-multiset for countdown), at most half the distinct questions (fewer than 2: ConfigError); it
-depends only on the data config. Each data.val_sets entry is a val-only Task of its own
-(`task.val_tasks[name]`): the entry's records, prompts and reward terms."""
+Validation set (depends only on the data config): data.val_path (or eval_dataset), its first
+data.num_val_examples records; else, record data: round(f x records) held out by a seeded split
+of data.val_fraction f, none if unset (no training record turns validation unasked; 1 record
+trains); else a synthetic set disjoint from every training example (dedup key: the question
+for arithmetic, the number multiset for countdown), at most half the distinct questions.
+Each data.val_sets entry is a val-only Task (`task.val_tasks[name]`) with its own scoring."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 from jgrpo.config import ConfigError, DataConfig
 from jgrpo.tasks.arithmetic import ArithmeticTask
 from jgrpo.tasks.calculator import CalculatorTask
+from jgrpo.tasks.child import Failure
 from jgrpo.tasks.countdown import CountdownTask
 from jgrpo.tasks.data import (
     Example,
@@ -163,7 +164,8 @@ class Task:
 
     @property
     def val(self) -> list[Example]:
-        """The fixed held-out examples (data.num_val_examples of them, or fewer if capped)."""
+        """The fixed held-out examples (data.num_val_examples of them, or fewer if capped;
+        none for record data without data.val_path, eval_dataset or data.val_fraction)."""
         if self._val is None:
             raise RuntimeError("this Task was built without data (load_data=False or unpickled)")
         return self._val
@@ -173,6 +175,11 @@ class Task:
         train = self._rows(train_dataset, cfg.train_path, "data.train_path", "train")
         val = self._rows(eval_dataset, cfg.val_path, "data.val_path", "val")
         if val is not None:
+            if cfg.val_fraction is not None:
+                raise ConfigError(
+                    "data.val_fraction: give eval_dataset (or data.val_path) or "
+                    "data.val_fraction, not both"
+                )
             val = val[: cfg.num_val_examples]
         if train is None:
             if cfg.task in _NEEDS_RECORDS:
@@ -186,21 +193,28 @@ class Task:
                     "/ CSV file, datasets folder or cached HF dataset id (or train_dataset= "
                     "from Python)"
                 )
+            if cfg.val_fraction is not None:
+                raise ConfigError(
+                    f"data.val_fraction: task {cfg.task!r} generates its training examples and "
+                    "holds out its own validation set; there are no records to split"
+                )
             if val is not None:
                 return SyntheticStream(self._make_generator(set()), self.seed), val
             self._check_space()
             val, keys = self._synthetic_val()
             return SyntheticStream(self._make_generator(keys), self.seed), val
-        if val is None:
-            if len(train) < 2:
+        if cfg.val_fraction is not None:
+            n, f = len(train), cfg.val_fraction
+            num_val = round(f * n)
+            if not 1 <= num_val < n:
                 raise ConfigError(
-                    f"data.train_path: {cfg.train_path or 'train_dataset'!r} has {len(train)} "
-                    "record; need >= 2 to hold out a validation split (or set data.val_path)"
+                    f"data.val_fraction: {f} of {n} training records holds out {num_val}; "
+                    "need at least 1 held out and 1 to train on"
                 )
-            train_idx, val_idx = split_indices(len(train), cfg.num_val_examples)
-            val = [train[int(i)] for i in val_idx]
+            train_idx, val_idx = split_indices(n, num_val)
+            val = [train[int(i)] for i in val_idx[: cfg.num_val_examples]]
             train = Rows(train.table, train.make, train_idx)
-        return RecordStream(train, self.seed, cfg.shuffle), val
+        return RecordStream(train, self.seed, cfg.shuffle), val or []
 
     def _rows(self, dataset, path: Optional[str], key: str, split: str) -> Optional[Rows]:
         """Examples of a Python dataset (preferred) or of the file/folder/id at `path`."""
@@ -289,7 +303,7 @@ class Task:
         tools: Optional[list[dict]] = None,
         observation: Optional[str] = None,
     ) -> str:
-        """Prompt text: the chat template when data.use_chat_template and the tokenizer has one
+        """Prompt text: the chat template when data.wraps_string_prompts and the tokenizer has one
         (encode it with add_special_tokens=False), else the task's bare prompt; a chat-message
         prompt (task prompts) always uses the template (see `jgrpo.tasks.prompts`), and so do
         `tools` (JSON schemas, the template's `tools=`) and an environment's first
@@ -297,7 +311,7 @@ class Task:
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         bare = self.kind.bare_prompt(example)
         chat = tools or observation is not None
-        if bare is not None and not chat and not (self.cfg.use_chat_template and template):
+        if bare is not None and not chat and not (self.cfg.wraps_string_prompts and template):
             return bare
         if not template:
             raise ValueError(
@@ -400,7 +414,9 @@ class Task:
         their forwards, then waiting for what the verifier and the functions did not overlap;
         a model's scores are always OK),
         reward_terms float32[N, F] (NaN where not OK), sample_mask bool[N] (False where no term
-        gave a value).
+        gave a value), reward_status int8[N, F] (OK / ERROR / TIMEOUT / NONE of each term),
+        failures [jgrpo.tasks.child.Failure]: each function's first failure in this batch (for
+        `report_failures` in the trainer process; fatal under data.reward_errors: raise).
         """
         n = len(completions)
         if not len(prompts) == len(examples) == n:
@@ -445,8 +461,11 @@ class Task:
         num_terms = len(self.cfg.reward_functions) + (environment_rewards is not None)
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
-        fn_values, fn_status = self._runner.run(r_prompts, r_completions, records, completion_ids)
+        fn_values, fn_status, problems = self._runner.run(
+            r_prompts, r_completions, records, completion_ids
+        )
         values[self._function_indices], status[self._function_indices] = fn_values, fn_status
+        failures = [self._failure(f, *problem, examples) for f, problem in problems.items()]
         start = time.perf_counter()
         for f, scores in pending.items():
             values[f] = scores.result()
@@ -473,8 +492,27 @@ class Task:
             "reward_terms": np.where(ok, values, np.nan).T.astype(np.float32),
             "sample_mask": has_value,
             "reward_model_s": model_s,
+            "reward_status": status.T.copy(),
+            "failures": failures,
         }
         return rewards.astype(np.float32), info
+
+    def _failure(self, f: int, first: int, last: int, text: str, examples) -> Failure:
+        """The report of the runner's function f's first failure in a batch (at samples
+        first..last: one, or a batched call's)."""
+        index = self._function_indices[f]
+        label = self.cfg.reward_functions[index].label
+        where = f"samples {first}-{last} (one batched call)"
+        if first == last:
+            rid = examples[first].get("id")
+            where = f"sample {first}" + ("" if rid is None else f" (record {rid})")
+        return Failure(
+            name=f"{self._runner.key}[{index}] ({label!r})",
+            where=where,
+            text=text,
+            counter=f"reward/{label}/num_errors",
+            fatal=self.cfg.reward_errors == "raise",
+        )
 
     def close(self) -> None:
         """Stop the reward child processes, if any (they also die with this process)."""

@@ -5,14 +5,14 @@ Python). Every child imports them; the first reports their JSON schemas (transfo
 `get_json_schema`: what a chat template's `tools=` takes). A call's result becomes the tool
 message's text: a string as is; None, numbers, booleans, lists and dicts as JSON; anything else,
 an exception, an unknown name or a timeout (data.tool_timeout_s) becomes an `error: ...` text
-and is counted. Environments (`data.environment: "module:Class"`, or a class): one instance per
-rollout row, `reset(**record) -> str | None`, `step(text) -> (observation | None, reward | None,
-done)`; a reset or step that raises, times out or returns anything else ends the row, counted.
-`ToolRunner.run(ops)` runs [(kind, row, arg)] ops: ("call", row, (name, arguments)), ("reset",
-row, record), ("step", row, text), ("clear", -1, None) = drop every environment. Row r's ops go to
-child r mod data.tool_processes, in order; the children run side by side. A child that hangs
-past the timeout + KILL_SLACK_S or crashes is killed and restarted: its running op fails, its
-queued calls and resets rerun, and the environments it held are lost (their steps fail)."""
+and is counted. Environments (`data.environment: "module:Class"`, or a class): one per rollout
+row, `reset(**record) -> str | None`, `step(text) -> (observation | None, reward | None, done)`;
+a reset or step that raises, times out or returns anything else ends the row, counted. A failure
+inside user code (not a bad call) keeps its traceback for the trainer (`take_failures`).
+`ToolRunner.run(ops)`: ops ("call", row, (name, arguments)), ("reset", row, record), ("step",
+row, text), ("clear", -1, None); row r's run in order in child r mod data.tool_processes. A
+child that hangs past the timeout + KILL_SLACK_S or crashes is killed and restarted: its running
+op fails, queued calls and resets rerun, its environments are lost (their steps fail)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,14 @@ from jgrpo.tasks.child import (
     TIMEOUT,
     CallTimeout,
     Child,
+    Failure,
     LoadError,
     StartFailure,
     attach,
+    format_traceback,
     load_all,
     object_payload,
+    raised_in_user_code,
 )
 
 _WHAT = "the tool process"
@@ -154,12 +157,15 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
             return
         for op, kind, row, arg in ops:
             PROGRESS.pack_into(progress, 0, op, row, time.monotonic())
+            trace = None  # a failure of the user's code: its traceback (or what was wrong)
             try:
                 signal.setitimer(signal.ITIMER_REAL, timeout_s)
                 try:
                     status, value = _run_op(kind, row, arg, by_name, env_cls, envs)
                 finally:
                     signal.setitimer(signal.ITIMER_REAL, 0)
+                if status == ERROR and kind == "call" and arg[0] in by_name:
+                    trace = value.removeprefix("error: ")  # it returned what is not text
             except CallTimeout:
                 envs.pop(row, None)  # an environment interrupted mid-step is not trusted again
                 status, value = TIMEOUT, f"error: the call did not finish within {timeout_s:g} s"
@@ -167,7 +173,9 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
                 if kind != "call":
                     envs.pop(row, None)
                 status, value = ERROR, _error(e)
-            out.send((op, status, value))
+                if kind != "call" or raised_in_user_code(e):
+                    trace = format_traceback(e)
+            out.send((op, status, value, trace))
             PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
 
 
@@ -204,6 +212,7 @@ class ToolRunner:
         self._children: list[Optional[Child]] = [None] * self.num_processes
         self._schemas: Optional[list[dict]] = None
         self._lock = threading.Lock()
+        self._failures: dict[str, Failure] = {}  # each name's first since take_failures
 
     def __getstate__(self):
         return dict(
@@ -257,6 +266,27 @@ class ToolRunner:
             self._schemas = schemas
         return child
 
+    def take_failures(self) -> list[Failure]:
+        """Each tool's and the environment's first failure (raised, returned what it may not,
+        or crashed its process) since the last call: for `report_failures` in the trainer."""
+        failures, self._failures = list(self._failures.values()), {}
+        return failures
+
+    def _note_failure(self, kind: str, row: int, arg: Any, text: str) -> None:
+        if kind == "call":
+            names = [s.get("function", {}).get("name") for s in self._schemas or []]
+            tool = arg[0]
+            key = self.keys[names.index(tool)] if tool in names else "data.tools"
+            name, where = f"{key} ({tool!r})", f"a call (row {row})"
+            counter = f"tools/{tool}/num_errors"
+        else:
+            env = self.environment
+            label = env.rpartition(":")[2] if isinstance(env, str) else env.__name__
+            name, where = f"data.environment ({label!r})", f"{kind} (row {row})"
+            counter = "environment/errors"
+        failure = Failure(name, where, text, counter)
+        self._failures.setdefault(name, failure)
+
     def _key(self, index) -> str:
         if index is None:
             return "data.tools"
@@ -300,8 +330,11 @@ class ToolRunner:
             k = conns[conn]
             try:
                 while conn.poll():
-                    op, status, value = conn.recv()
+                    op, status, value, trace = conn.recv()
                     results[op] = (status, value)
+                    if trace is not None:
+                        _, kind, row, arg = next(x for x in queues[k] if x[0] == op)
+                        self._note_failure(kind, row, arg, trace)
                     queues[k] = [x for x in queues[k] if x[0] != op]
             except (EOFError, OSError):
                 pass  # the child died: found below
@@ -320,6 +353,9 @@ class ToolRunner:
                 if hung
                 else (ERROR, f"error: {_WHAT} crashed (exit code {child.proc.poll()})")
             )
+            if not hung and current[1] != "clear":
+                text = f"it ended {_WHAT} (exit code {child.proc.poll()})"
+                self._note_failure(current[1], current[2], current[3], text)
             child.close()
             self._children[k] = None
             redo = []
