@@ -609,3 +609,30 @@ def test_real_size_shapes_allocate_nothing():
             assert shapes["moe/router_bias"] == (45, 128)
             assert shapes["moe/shared_down"] == (45, 1408, 4096)
             assert 106e9 < count < 107e9, count  # GLM-4.5-Air: "106B", no MTP layer
+
+
+def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
+    """GLM-4.5 checkpoints carry their MTP layer as model.layers.{num_hidden_layers}.*: the
+    forward never runs it (as in transformers), so the strict loader lets it be; any other
+    tensor nothing reads is still an error naming it."""
+    import shutil
+
+    from jgrpo.models.hf import read_hf_weights, write_safetensors
+
+    family, extra = CASES["glm4_moe_plain"]
+    make_hf_model(family, extra).save_pretrained(tmp_path / "base")
+    tensors = {k: np.array(v) for k, v in read_hf_weights(tmp_path / "base").items()}
+    ids = jnp.asarray(np.random.RandomState(9).randint(0, 128, (1, 6)))
+    ref = np.asarray(from_pretrained(tmp_path / "base")(ids))
+    n = extra["num_hidden_layers"]
+    extras = {
+        "mtp": {f"model.layers.{n}.eh_proj.weight": np.ones((64, 128), np.float32)},
+        "stray": {"model.layers.0.mlp.gate.extra": np.ones((4,), np.float32)},
+    }
+    for name, more in extras.items():
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "base" / "config.json", tmp_path / name)
+        write_safetensors(tmp_path / name / "model.safetensors", tensors | more)
+    np.testing.assert_array_equal(np.asarray(from_pretrained(tmp_path / "mtp")(ids)), ref)
+    with pytest.raises(ModelFormatError, match="mlp.gate.extra"):
+        from_pretrained(tmp_path / "stray")

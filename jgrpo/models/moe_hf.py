@@ -162,6 +162,20 @@ def moe_layer_shapes(hf: dict, layer: int) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- tensors
 
 
+def unused_extra_layers(cfg, names) -> list[str]:
+    """Of tensor `names`, GLM's multi-token-prediction layers (`model.layers.{i}.*` with i >=
+    num_hidden_layers): the forward never runs them; transformers ignores them too."""
+    if cfg.family != "glm4_moe":
+        return []
+    out = []
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit():
+            if int(parts[2]) >= cfg.num_layers:
+                out.append(name)
+    return out
+
+
 def _experts_of_layer(take, prefix: str, e: int, tensors: dict):
     """(gate [e, d, f], up [e, d, f], down [e, f, d]) of one MoE layer, per-expert or fused."""
     fused = prefix + "mlp.experts.gate_up_proj"
