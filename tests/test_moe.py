@@ -117,6 +117,13 @@ def hf_pair(request, tmp_path_factory):
     return request.param, hf_model, folder
 
 
+def params_of(model) -> list[np.ndarray]:
+    """Every parameter of `model` as numpy, in a fixed order."""
+    from flax import nnx
+
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
 def hf_logits(model, ids, mask=None, positions=None):
     kwargs = {}
     if mask is not None:
@@ -193,13 +200,8 @@ def test_save_pretrained_roundtrip(hf_pair, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     ids = np.random.RandomState(4).randint(0, 128, (2, 9))
     np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(hf_model, ids), atol=TOL)
-    again = from_pretrained(out)
-    from flax import nnx
-
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(params_of(model), params_of(from_pretrained(out))):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("hf_pair", cases("qwen3_moe_sparse_step"), indirect=True)
@@ -211,9 +213,8 @@ def test_fused_expert_layout_loads(hf_pair, tmp_path):
     from jgrpo.models.hf import read_hf_weights
 
     assert any(n.endswith("experts.gate_up_proj") for n in read_hf_weights(tmp_path))
-    ids = jnp.asarray(np.random.RandomState(5).randint(0, 128, (2, 7)))
-    a, b = from_pretrained(folder)(ids), from_pretrained(tmp_path)(ids)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(params_of(from_pretrained(folder)), params_of(from_pretrained(tmp_path))):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("hf_pair", cases("glm4_moe_groups"), indirect=True)
@@ -486,8 +487,8 @@ def test_lora_on_moe_is_attention_only():
     [
         ("tiny-qwen3-moe", "batch"),
         pytest.param("tiny-qwen3-moe", "slots", marks=pytest.mark.heavy),
-        ("tiny-qwen3-moe", "compact"),
-        ("glm4_moe_groups", "batch"),
+        pytest.param("tiny-qwen3-moe", "compact", marks=pytest.mark.heavy),
+        pytest.param("glm4_moe_groups", "batch", marks=pytest.mark.heavy),
         pytest.param("glm4_moe_groups", "slots", marks=pytest.mark.heavy),
     ],
 )
@@ -622,8 +623,6 @@ def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
     family, extra = CASES["glm4_moe_plain"]
     make_hf_model(family, extra).save_pretrained(tmp_path / "base")
     tensors = {k: np.array(v) for k, v in read_hf_weights(tmp_path / "base").items()}
-    ids = jnp.asarray(np.random.RandomState(9).randint(0, 128, (1, 6)))
-    ref = np.asarray(from_pretrained(tmp_path / "base")(ids))
     n = extra["num_hidden_layers"]
     extras = {
         "mtp": {f"model.layers.{n}.eh_proj.weight": np.ones((64, 128), np.float32)},
@@ -633,6 +632,9 @@ def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
         (tmp_path / name).mkdir()
         shutil.copy(tmp_path / "base" / "config.json", tmp_path / name)
         write_safetensors(tmp_path / name / "model.safetensors", tensors | more)
-    np.testing.assert_array_equal(np.asarray(from_pretrained(tmp_path / "mtp")(ids)), ref)
+    for a, b in zip(
+        params_of(from_pretrained(tmp_path / "base")), params_of(from_pretrained(tmp_path / "mtp"))
+    ):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ModelFormatError, match="mlp.gate.extra"):
         from_pretrained(tmp_path / "stray")
