@@ -206,11 +206,16 @@ def test_save_pretrained_roundtrip(hf_pair, tmp_path):
 
 @pytest.mark.parametrize("hf_pair", cases("qwen3_moe_sparse_step"), indirect=True)
 def test_fused_expert_layout_loads(hf_pair, tmp_path):
-    """transformers 5's in-memory layout (gate_up_proj [e, 2f, d]) loads like the per-expert
-    one (save_original_format=False writes it)."""
+    """transformers 5's in-memory layout (gate_up_proj [e, 2f, d]) passes the pre-flight and
+    loads like the per-expert one (save_original_format=False writes it)."""
     _, hf_model, folder = hf_pair
     hf_model.save_pretrained(tmp_path, save_original_format=False)
     from jgrpo.models.hf import read_hf_weights
+    from jgrpo.models.preflight import check_hf_folder
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    save_char_tokenizer(tmp_path)
+    check_hf_folder(tmp_path)
 
     assert any(n.endswith("experts.gate_up_proj") for n in read_hf_weights(tmp_path))
     for a, b in zip(params_of(from_pretrained(folder)), params_of(from_pretrained(tmp_path))):
@@ -614,11 +619,14 @@ def test_real_size_shapes_allocate_nothing():
 
 def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
     """GLM-4.5 checkpoints carry their MTP layer as model.layers.{num_hidden_layers}.*: the
-    forward never runs it (as in transformers), so the strict loader lets it be; any other
-    tensor nothing reads is still an error naming it."""
+    forward never runs it (as in transformers), so the strict loader and pre-flight let it be;
+    any other tensor nothing reads is still an error naming it."""
     import shutil
 
+    from jgrpo.config import ConfigError
     from jgrpo.models.hf import read_hf_weights, write_safetensors
+    from jgrpo.models.preflight import check_hf_folder
+    from jgrpo.models.tiny import save_char_tokenizer
 
     family, extra = CASES["glm4_moe_plain"]
     make_hf_model(family, extra).save_pretrained(tmp_path / "base")
@@ -632,6 +640,10 @@ def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
         (tmp_path / name).mkdir()
         shutil.copy(tmp_path / "base" / "config.json", tmp_path / name)
         write_safetensors(tmp_path / name / "model.safetensors", tensors | more)
+        save_char_tokenizer(tmp_path / name)
+    check_hf_folder(tmp_path / "mtp")
+    with pytest.raises(ConfigError, match="mlp.gate.extra"):
+        check_hf_folder(tmp_path / "stray")
     for a, b in zip(
         params_of(from_pretrained(tmp_path / "base")), params_of(from_pretrained(tmp_path / "mtp"))
     ):
