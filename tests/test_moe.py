@@ -650,3 +650,22 @@ def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ModelFormatError, match="mlp.gate.extra"):
         from_pretrained(tmp_path / "stray")
+
+
+def test_lora_on_moe_attention_changes_and_merges(tmp_path):
+    """Adapters on an MoE model's attention: a nonzero B changes the logits, and the merged
+    model (what the sampler and export run) gives the unmerged forward's logits."""
+    from jgrpo.models import lora
+    from jgrpo.models.adapters import attach_lora, merge_lora
+    from jgrpo.models.tiny import build_tiny_moe_model
+
+    base = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    spec = lora.LoRASpec(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "o_proj"))
+    model = attach_lora(base, spec, jax.random.key(0))
+    for name in ("q_lora_b", "v_lora_b", "o_lora_b"):
+        b = model.lora[name]
+        b[...] = 0.3 * jax.random.normal(jax.random.key(1), b[...].shape)
+    ids = jnp.asarray(np.random.RandomState(7).randint(4, 200, (2, 8)))
+    out = np.asarray(model(ids))
+    assert np.abs(out - np.asarray(base(ids))).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(merge_lora(model)(ids)), out, atol=1e-4)
