@@ -103,13 +103,25 @@ def make_hf_model(family, extra, seed=0):
     return model
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+def cases(*quick):
+    """Every case, those not in `quick` marked heavy (make test runs the quick ones)."""
+    return [c if c in quick else pytest.param(c, marks=pytest.mark.heavy) for c in CASES]
+
+
+@pytest.fixture(scope="module")
 def hf_pair(request, tmp_path_factory):
     family, extra = CASES[request.param]
     hf_model = make_hf_model(family, extra)
     folder = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(folder)
     return request.param, hf_model, folder
+
+
+def params_of(model) -> list[np.ndarray]:
+    """Every parameter of `model` as numpy, in a fixed order."""
+    from flax import nnx
+
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
 def hf_logits(model, ids, mask=None, positions=None):
@@ -122,6 +134,7 @@ def hf_logits(model, ids, mask=None, positions=None):
         return model(torch.tensor(ids), **kwargs).logits.numpy()
 
 
+@pytest.mark.parametrize("hf_pair", list(CASES), indirect=True)
 @pytest.mark.parametrize("kernels", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_logits_match_transformers(hf_pair, kernels):
     """Both kernel paths (cpu: dense experts; portable: sorted tokens + ragged_dot)."""
@@ -134,6 +147,7 @@ def test_logits_match_transformers(hf_pair, kernels):
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("hf_pair", cases("glm4_moe_plain"), indirect=True)
 def test_padded_batch_matches_transformers(hf_pair):
     _, hf_model, folder = hf_pair
     model = from_pretrained(folder)
@@ -176,6 +190,7 @@ def test_each_routing_feature_changes_the_logits(tmp_path):
     assert np.abs(np.asarray(other(ids)) - ref).max() > 1e-2, "no bias"
 
 
+@pytest.mark.parametrize("hf_pair", list(CASES), indirect=True)
 def test_save_pretrained_roundtrip(hf_pair, tmp_path):
     name, hf_model, folder = hf_pair
     model = from_pretrained(folder)
@@ -185,28 +200,29 @@ def test_save_pretrained_roundtrip(hf_pair, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     ids = np.random.RandomState(4).randint(0, 128, (2, 9))
     np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(hf_model, ids), atol=TOL)
-    again = from_pretrained(out)
-    from flax import nnx
-
-    for a, b in zip(
-        jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(again, nnx.Param))
-    ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(params_of(model), params_of(from_pretrained(out))):
+        np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("hf_pair", cases("qwen3_moe_sparse_step"), indirect=True)
 def test_fused_expert_layout_loads(hf_pair, tmp_path):
-    """transformers 5's in-memory layout (gate_up_proj [e, 2f, d]) loads like the per-expert
-    one (save_original_format=False writes it)."""
+    """transformers 5's in-memory layout (gate_up_proj [e, 2f, d]) passes the pre-flight and
+    loads like the per-expert one (save_original_format=False writes it)."""
     _, hf_model, folder = hf_pair
     hf_model.save_pretrained(tmp_path, save_original_format=False)
     from jgrpo.models.hf import read_hf_weights
+    from jgrpo.models.preflight import check_hf_folder
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    save_char_tokenizer(tmp_path)
+    check_hf_folder(tmp_path)
 
     assert any(n.endswith("experts.gate_up_proj") for n in read_hf_weights(tmp_path))
-    ids = jnp.asarray(np.random.RandomState(5).randint(0, 128, (2, 7)))
-    a, b = from_pretrained(folder)(ids), from_pretrained(tmp_path)(ids)
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(params_of(from_pretrained(folder)), params_of(from_pretrained(tmp_path))):
+        np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("hf_pair", cases("glm4_moe_groups"), indirect=True)
 @pytest.mark.parametrize("kernels", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_cached_decode_matches_full_forward(hf_pair, kernels):
     """Prefill a left-padded prompt, then decode token by token: the logits of one forward,
@@ -222,13 +238,17 @@ def test_cached_decode_matches_full_forward(hf_pair, kernels):
     _, routed = model.token_logprobs_routed(jnp.asarray(ids), jnp.asarray(mask))
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     kv_mask = jnp.asarray(mask)
-    logits, cache = model.prefill(
+    logits, cache, prompt_ids = model.prefill_routed(
         jnp.asarray(ids[:, :prompt_len]),
         jnp.asarray(positions[:, :prompt_len]),
         kv_mask[:, :prompt_len],
         total,
     )
     np.testing.assert_allclose(logits, full[:, prompt_len - 1], atol=1e-5, rtol=0)
+    real = mask[:, :prompt_len]  # padded positions route whatever their zero rows give
+    np.testing.assert_array_equal(
+        np.asarray(prompt_ids)[:, real], np.asarray(routed.expert_ids[:, :, :prompt_len])[:, real]
+    )
     layers = model.layer_weights()
     step = jax.jit(model.decode_step_routed)
     for t in range(prompt_len, total):
@@ -434,3 +454,218 @@ def test_train_on_tiny_qwen3_moe(tmp_path, monkeypatch, lora):
     np.testing.assert_allclose(
         np.asarray(from_pretrained(final)(jnp.asarray(ids))), hf_logits(hf_model, ids), atol=TOL
     )
+
+
+def test_preflight_checks_moe_folders(tmp_path):
+    """The pre-flight knows the MoE tensors (a missing expert is named) and refuses an
+    unsupported variant with one ConfigError line (the CLI's exit 2)."""
+    from jgrpo.config import ConfigError
+    from jgrpo.models.preflight import check_hf_folder, hf_tensor_shapes
+    from jgrpo.models.tiny import build_tiny_moe_model, tiny_qwen3_moe_config
+
+    folder = build_tiny_moe_model(tmp_path / "tiny")
+    hf = check_hf_folder(folder)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in hf_tensor_shapes(hf)
+    bad = {**tiny_qwen3_moe_config(), "num_experts_per_tok": 9}
+    with pytest.raises(ConfigError, match="num_experts_per_tok 9"):
+        hf_tensor_shapes(bad)
+    glm = make_hf_model(*CASES["glm4_moe_groups"]).config.to_dict()
+    with pytest.raises(ConfigError, match="topk_group"):
+        hf_tensor_shapes({**glm, "topk_group": 7})
+
+
+def test_lora_on_moe_is_attention_only():
+    from jgrpo.config import ConfigError, LoRAConfig
+    from jgrpo.models import lora
+    from jgrpo.models.hf import config_from_hf
+    from jgrpo.models.tiny import tiny_qwen3_moe_config
+
+    cfg = config_from_hf(tiny_qwen3_moe_config())
+    attn = LoRAConfig(rank=4, target_modules=("q_proj", "o_proj"))
+    assert lora.with_lora(cfg, attn).lora.targets == ("q", "o")
+    with pytest.raises(ConfigError, match="gate_proj"):
+        lora.with_lora(cfg, LoRAConfig(rank=4))
+
+
+@pytest.mark.parametrize(
+    "source, mode",
+    [
+        ("tiny-qwen3-moe", "batch"),
+        pytest.param("tiny-qwen3-moe", "slots", marks=pytest.mark.heavy),
+        pytest.param("tiny-qwen3-moe", "compact", marks=pytest.mark.heavy),
+        pytest.param("glm4_moe_groups", "batch", marks=pytest.mark.heavy),
+        pytest.param("glm4_moe_groups", "slots", marks=pytest.mark.heavy),
+    ],
+)
+def test_sampler_logprobs_are_the_trainer_forward(tmp_path, source, mode):
+    """generate() on builtin:tiny-qwen3-moe and a random GLM (every row at once, decode slots,
+    the compacting loop): float32 generation logprobs = the trainer's forward
+    (token_mult_prob_error <= 1.001, 1e-4 per token)."""
+    from jgrpo.models.tiny import build_tiny_moe_model
+    from jgrpo.sampling import SamplingParams, generate
+
+    if source == "tiny-qwen3-moe":
+        model = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    else:
+        make_hf_model(*CASES[source]).save_pretrained(tmp_path / "glm")
+        model = from_pretrained(tmp_path / "glm")
+    rng = np.random.RandomState(8)
+    prompts = [list(rng.randint(4, 100, n)) for n in (5, 9, 3, 7, 1)]
+    slots = dict(batch={}, slots=dict(decode_slots=2))
+    slots["compact"] = dict(compact_decode=True)
+    stops = tuple(range(100, 140))  # rows end at different lengths: slots refill, rows compact
+    params = SamplingParams(max_new_tokens=10, prompt_bucket=8, stop_token_ids=stops, **slots[mode])
+    gen = generate(model, prompts, params, jax.random.key(3))
+    assert len(set(gen.lengths.tolist())) > 2
+    p, n = gen.prompt_tokens.shape[1], gen.tokens.shape[1]
+    prompt_mask = np.arange(p)[None] >= p - gen.prompt_lengths[:, None]
+    completion_mask = np.arange(n)[None] < gen.lengths[:, None]
+    ids = np.concatenate([gen.prompt_tokens, gen.tokens], axis=1)
+    mask = np.concatenate([prompt_mask, completion_mask], axis=1)
+    lp = np.asarray(model.token_logprobs(jnp.asarray(ids), jnp.asarray(mask)))[:, p:]
+    err = float(np.mean(np.exp(np.abs(gen.logprobs - lp)[completion_mask])))
+    assert err <= 1.001, err
+    np.testing.assert_allclose(gen.logprobs[completion_mask], lp[completion_mask], atol=1e-4)
+
+
+def test_router_losses_join_the_policy_loss():
+    """losses.add_router_losses: dense forwards pass through; an MoE forward adds
+    (aux_coef x balance + z_coef x z) / M to the loss and loss/total, the HF coefficient when
+    no override, and the moe/ metrics (means divided by M, maxima kept)."""
+    from jgrpo import losses
+    from jgrpo.models.moe_transformer import MoEOutput
+
+    rng = np.random.RandomState(4)
+    logits = jnp.asarray(rng.randn(10, 4), jnp.float32)
+    probs = jax.nn.softmax(logits, -1)
+    ids = jax.lax.top_k(probs, 2)[1]
+    routing = moe_lib.Routing(ids, jnp.ones((10, 2)), probs, logits)
+    stats = moe_lib.router_stats(routing, jnp.ones(10), 4)
+    routed = MoEOutput(ids[None], moe_lib.RouterStats(*(v[None] for v in stats)))
+    spec = moe_lib.MoESpec(num_experts=4, top_k=2, expert_size=4, aux_loss_coef=0.5)
+    aux, z = moe_lib.aux_losses(routed.stats, 4)
+    metrics = {"loss/total": jnp.float32(1.0)}
+    same = losses.add_router_losses(
+        1.0, metrics, None, None, aux_coef=None, z_coef=None, num_microbatches=2
+    )
+    assert same == (1.0, metrics)
+    for aux_coef, want_coef in [(None, 0.5), (jnp.float32(0.0), 0.0), (jnp.float32(2.0), 2.0)]:
+        loss, out = losses.add_router_losses(
+            1.0, metrics, routed, spec, aux_coef=aux_coef, z_coef=0.1, num_microbatches=2
+        )
+        want = 1.0 + (want_coef * float(aux) + 0.1 * float(z)) / 2
+        np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+        np.testing.assert_allclose(float(out["loss/total"]), want, rtol=1e-6)
+        np.testing.assert_allclose(float(out["moe/aux_loss"]), float(aux) / 2, rtol=1e-6)
+        assert float(out["moe/tokens_per_expert_max"]) == float(jnp.max(stats.counts_le))
+
+
+def test_real_size_shapes_allocate_nothing():
+    """The sizes of Qwen3-30B-A3B (30.5B params, 48 MoE layers of 128 experts) and
+    GLM-4.5-Air (106B: one dense layer, then 45 MoE layers with a shared expert and a
+    selection bias) as abstract models: nothing is allocated (nnx.eval_shape)."""
+    from flax import nnx
+
+    from jgrpo.models.hf import config_from_hf, model_class
+
+    qwen = dict(
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    glm = dict(
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+    )
+    for hf in (qwen, glm):
+        cfg = config_from_hf(hf)
+        model = nnx.eval_shape(lambda cfg=cfg: model_class(cfg)(cfg, rngs=nnx.Rngs(0)))
+        shapes = {"/".join(map(str, k)): v.shape for k, v in nnx.to_flat_state(nnx.state(model))}
+        count = sum(int(np.prod(s)) for s in shapes.values())
+        if hf is qwen:
+            assert 30.4e9 < count < 30.6e9, count  # "30.5B" on the model card
+            assert shapes["moe/expert_gate"] == (48, 128, 2048, 768)
+            assert "dense_mlp/gate" not in shapes
+        else:
+            assert cfg.rotary_dim == 64 and cfg.moe.sparse_layers == (False,) + (True,) * 45
+            assert shapes["dense_mlp/gate"] == (1, 4096, 10944)
+            assert shapes["moe/router_bias"] == (45, 128)
+            assert shapes["moe/shared_down"] == (45, 1408, 4096)
+            assert 106e9 < count < 107e9, count  # GLM-4.5-Air: "106B", no MTP layer
+
+
+def test_glm_multi_token_prediction_layers_are_skipped(tmp_path):
+    """GLM-4.5 checkpoints carry their MTP layer as model.layers.{num_hidden_layers}.*: the
+    forward never runs it (as in transformers), so the strict loader and pre-flight let it be;
+    any other tensor nothing reads is still an error naming it."""
+    import shutil
+
+    from jgrpo.config import ConfigError
+    from jgrpo.models.hf import read_hf_weights, write_safetensors
+    from jgrpo.models.preflight import check_hf_folder
+    from jgrpo.models.tiny import save_char_tokenizer
+
+    family, extra = CASES["glm4_moe_plain"]
+    make_hf_model(family, extra).save_pretrained(tmp_path / "base")
+    tensors = {k: np.array(v) for k, v in read_hf_weights(tmp_path / "base").items()}
+    n = extra["num_hidden_layers"]
+    extras = {
+        "mtp": {f"model.layers.{n}.eh_proj.weight": np.ones((64, 128), np.float32)},
+        "stray": {"model.layers.0.mlp.gate.extra": np.ones((4,), np.float32)},
+    }
+    for name, more in extras.items():
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "base" / "config.json", tmp_path / name)
+        write_safetensors(tmp_path / name / "model.safetensors", tensors | more)
+        save_char_tokenizer(tmp_path / name)
+    check_hf_folder(tmp_path / "mtp")
+    with pytest.raises(ConfigError, match="mlp.gate.extra"):
+        check_hf_folder(tmp_path / "stray")
+    for a, b in zip(
+        params_of(from_pretrained(tmp_path / "base")), params_of(from_pretrained(tmp_path / "mtp"))
+    ):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ModelFormatError, match="mlp.gate.extra"):
+        from_pretrained(tmp_path / "stray")
+
+
+def test_lora_on_moe_attention_changes_and_merges(tmp_path):
+    """Adapters on an MoE model's attention: a nonzero B changes the logits, and the merged
+    model (what the sampler and export run) gives the unmerged forward's logits."""
+    from jgrpo.models import lora
+    from jgrpo.models.adapters import attach_lora, merge_lora
+    from jgrpo.models.tiny import build_tiny_moe_model
+
+    base = from_pretrained(build_tiny_moe_model(tmp_path / "tiny"))
+    spec = lora.LoRASpec(rank=2, alpha=4.0, target_modules=("q_proj", "v_proj", "o_proj"))
+    model = attach_lora(base, spec, jax.random.key(0))
+    for name in ("q_lora_b", "v_lora_b", "o_lora_b"):
+        b = model.lora[name]
+        b[...] = 0.3 * jax.random.normal(jax.random.key(1), b[...].shape)
+    ids = jnp.asarray(np.random.RandomState(7).randint(4, 200, (2, 8)))
+    out = np.asarray(model(ids))
+    assert np.abs(out - np.asarray(base(ids))).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(merge_lora(model)(ids)), out, atol=1e-4)

@@ -1,4 +1,5 @@
-"""The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3) with HF weights in and out.
+"""The policy model: a Flax NNX decoder (Llama / Qwen2 / Qwen3, MoE: Qwen3-MoE / GLM-4.5) with
+HF weights in and out.
 
 Public API: `load_policy(model_cfg, ...)` (a run config's `model` section -> the policy: the
 one way train, export and the tools build a model), `policy_config`, `policy_folder`,

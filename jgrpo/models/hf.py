@@ -342,6 +342,7 @@ def load_weights(
         for group, arrays in groups.items():
             for name, value in arrays.items():
                 put(getattr(model, group)[name], value)
+        unread -= set(moe_hf.unused_extra_layers(cfg.family, cfg.num_layers, unread))
     unread -= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     unread -= {
         f"model.layers.{i}.{row[1]}" for row in _layer_map(cfg) for i in range(cfg.num_layers)

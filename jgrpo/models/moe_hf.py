@@ -129,9 +129,9 @@ def moe_config_to_hf(cfg) -> dict[str, Any]:
     }
 
 
-def moe_layer_shapes(hf: dict, layer: int) -> dict[str, tuple[int, ...]]:
+def moe_layer_shapes(hf: dict, layer: int, fused: bool = False) -> dict[str, tuple[int, ...]]:
     """HF per-layer suffix -> shape of the MLP tensors of decoder layer `layer` (dense MLP or
-    MoE block, per-expert layout)."""
+    MoE block; experts per expert, or in transformers 5's fused layout when `fused`)."""
     d = hf["hidden_size"]
     if not sparse_layers(hf)[layer]:
         f = hf["intermediate_size"]
@@ -142,7 +142,9 @@ def moe_layer_shapes(hf: dict, layer: int) -> dict[str, tuple[int, ...]]:
         }
     e, f = _num_experts(hf), hf["moe_intermediate_size"]
     shapes = {"mlp.gate.weight": (e, d)}
-    for j in range(e):
+    if fused:
+        shapes |= {"mlp.experts.gate_up_proj": (e, 2 * f, d), "mlp.experts.down_proj": (e, d, f)}
+    for j in range(0 if fused else e):
         shapes |= {
             f"mlp.experts.{j}.gate_proj.weight": (f, d),
             f"mlp.experts.{j}.up_proj.weight": (f, d),
@@ -160,6 +162,20 @@ def moe_layer_shapes(hf: dict, layer: int) -> dict[str, tuple[int, ...]]:
 
 
 # ----------------------------------------------------------------------------- tensors
+
+
+def unused_extra_layers(family: str, num_layers: int, names) -> list[str]:
+    """Of tensor `names`, GLM's multi-token-prediction layers (`model.layers.{i}.*` with i >=
+    num_hidden_layers): the forward never runs them; transformers ignores them too."""
+    if family != "glm4_moe":
+        return []
+    out = []
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit():
+            if int(parts[2]) >= num_layers:
+                out.append(name)
+    return out
 
 
 def _experts_of_layer(take, prefix: str, e: int, tensors: dict):

@@ -9,7 +9,8 @@ experts expert_gate/expert_up [l_moe, e, d, f], expert_down [l_moe, e, f, d], sh
 of consecutive same-kind layers are one `lax.scan` each. Partial rotary (GLM): RoPE turns the
 first `rotary_dim` dims of a head. Router replay: `token_logprobs_routed(..., expert_ids=)`
 returns (logprobs, MoEOutput: expert ids [l_moe, b, t, k] + RouterStats) and replays given ids;
-`decode_step_routed` also returns the fed token's ids. Legend as transformer.py."""
+`prefill_routed` / `decode_step_routed` also return the ids of the tokens they feed.
+Legend as transformer.py."""
 
 from __future__ import annotations
 
@@ -303,6 +304,13 @@ class MoETransformer(Transformer):
         self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None
     ):
         """As Transformer's (`last_layer` is not used: every layer runs on every position)."""
+        logits_bv, cache, _ = self.prefill_routed(
+            input_ids_bt, positions_bt, attention_mask_bt, cache_len
+        )
+        return logits_bv, cache
+
+    def prefill_routed(self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int):
+        """`prefill` -> (logits_bv, cache, expert ids [l_moe, b, t, k] of the prompt tokens)."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         path = resolve_kernels(cfg.kernels)
         t = input_ids_bt.shape[1]
@@ -310,12 +318,15 @@ class MoETransformer(Transformer):
             input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
         )
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(dtype)
-        x_btd, (k_lbtkh, v_lbtkh), _ = self._run_layers(x_btd, mask_bts, rope, attention_mask_bt)
+        x_btd, (k_lbtkh, v_lbtkh), routed = self._run_layers(
+            x_btd, mask_bts, rope, attention_mask_bt
+        )
         cache = KVCache(
             _kernels.cache_from_prefill(k_lbtkh, cache_len, dtype, path, values=False),
             _kernels.cache_from_prefill(v_lbtkh, cache_len, dtype, path, values=True),
         )
-        return self._logits(x_btd[:, -1:])[:, 0], cache
+        ids = None if routed is None else routed.expert_ids
+        return self._logits(x_btd[:, -1:])[:, 0], cache, ids
 
     def decode_step(
         self,

@@ -111,9 +111,10 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 """Tensors of old checkpoints that nothing reads by design (recomputed from config.json)."""
 
 
-def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(hf: dict, head: str = "lm", present=()) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the decoder loads, from a config.json mapping; `head`
-    lm: the LM head (unless tied), score: a one-label sequence-classification head."""
+    lm: the LM head (unless tied), score: a one-label sequence-classification head. `present`
+    (the folder's tensor names): an MoE layer whose experts it holds fused is read fused."""
     d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     n = hf["num_attention_heads"]
     k = hf.get("num_key_value_heads") or n
@@ -158,8 +159,9 @@ def hf_tensor_shapes(hf: dict, head: str = "lm") -> dict[str, tuple[int, ...]]:
     for i in range(hf["num_hidden_layers"]):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
         if moe:
+            fused = f"model.layers.{i}.mlp.experts.gate_up_proj" in present
             shapes |= {
-                f"model.layers.{i}.{n}": s for n, s in moe_hf.moe_layer_shapes(hf, i).items()
+                f"model.layers.{i}.{n}": s for n, s in moe_hf.moe_layer_shapes(hf, i, fused).items()
             }
     return shapes
 
@@ -280,7 +282,9 @@ def check_hf_folder(
         return _PASSED[stamp]
     hf = read_hf_config(folder)
     shapes, where = _weight_shapes(folder)
-    wanted = hf_tensor_shapes(hf, head)
+    wanted = hf_tensor_shapes(hf, head, shapes)
+    extra = moe_hf.unused_extra_layers(hf.get("model_type"), hf["num_hidden_layers"], shapes)
+    wanted |= {name: shapes[name] for name in extra}  # GLM's MTP layer: never run (moe_hf)
     for name, want in wanted.items():
         if name not in shapes:
             _fail(folder, f"lacks tensor {name!r} (config.json: {hf['num_hidden_layers']} layers)")
