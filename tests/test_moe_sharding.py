@@ -1,0 +1,117 @@
+"""Expert parallelism (models/moe_parallel.py): the tiny MoE's train step on one device equals
+the step on 8 devices in meshes whose fsdp axis splits the experts, on both expert paths; the
+compiled step exchanges tokens (not expert weights) over fsdp; a 2-process pod equals one
+process."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROLLOUT_BATCH_BUCKET, TINY_MODEL_FIELDS, make_rollout_batch
+from flax import nnx
+
+from jgrpo import sharding, step, step_setup
+from jgrpo.batch import TrainBatch
+from jgrpo.config import load_config
+from jgrpo.models import moe as moe_lib
+from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
+
+SPEC = moe_lib.MoESpec(num_experts=8, top_k=2, expert_size=16, sparse_layers=(True, True))
+BASE = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "optim.learning_rate=1e-3",
+    "rollout.temperature=0.9",
+    "loss.reference_policy_kl_penalty=0.1",
+    "model.moe.router_z_loss_coef=0.01",
+    ROLLOUT_BATCH_BUCKET,
+]
+
+
+def tiny_moe(kernels: str) -> MoETransformer:
+    fields = {**TINY_MODEL_FIELDS, "family": "qwen3_moe", "kernels": kernels}
+    cfg = MoETransformerConfig(**fields, moe=dataclasses.replace(SPEC, aux_loss_coef=0.01))
+    return MoETransformer(cfg, rngs=nnx.Rngs(0), init_scale=0.2)
+
+
+def build(kernels: str, mesh_shape):
+    cfg = load_config(None, BASE)
+    mesh_cfg = dataclasses.replace(
+        cfg.mesh, data=mesh_shape[0], fsdp=mesh_shape[1], tensor=mesh_shape[2]
+    )
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[: int(np.prod(mesh_shape))])
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), tiny_moe(kernels), mesh=mesh)
+    batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
+    return built, batch
+
+
+def grads_on(kernels: str, mesh_shape):
+    """(metrics, gradients, expert_gate's shard shape) of one step's gradient pass."""
+    built, batch = build(kernels, mesh_shape)
+    state, hp, flags, graphdef = built.state, built.hparams, built.flags, built.graphdef
+    ref = jax.tree.map(lambda x: x * 0.9, state.params)  # a KL term that is not 0
+    prepare = functools.partial(step.prepare_batch, flags=flags, graphdef=graphdef)
+    data, _ = jax.jit(prepare)(state, batch, hp, ref)
+    grads, metrics = jax.jit(
+        lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
+    )(state.params, data)
+    shard = state.params["moe"]["expert_gate"].addressable_shards[0].data.shape
+    return (
+        {k: float(v) for k, v in metrics.items()},
+        jax.tree.map(np.asarray, grads),
+        shard,
+    )
+
+
+MESHES = [(2, 4, 1), (1, 8, 1), (2, 2, 2)]
+FAST = {("cpu", (2, 2, 2)), ("portable", (1, 8, 1))}
+"""make test's cases: every mesh axis at once on the dense path, one expert per device on the
+grouped path; the others are heavy."""
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """The 1-device step (dense path, every expert here): what every mesh is compared with."""
+    return grads_on("cpu", (1, 1, 1))
+
+
+@pytest.mark.parametrize(
+    "kernels, shape",
+    [
+        pytest.param(k, s, marks=() if (k, s) in FAST else pytest.mark.heavy)
+        for k in ("cpu", "portable")
+        for s in MESHES
+    ],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v,
+)
+def test_expert_parallel_step_equals_one_device(kernels, shape, one_device):
+    metrics0, grads0, _ = one_device
+    metrics, grads, shard = grads_on(kernels, shape)
+    assert all(np.abs(g).max() > 1e-4 for g in jax.tree.leaves(grads0["moe"]))
+    for key in ("loss/total", "loss/pg", "loss/kl", "moe/aux_loss", "moe/z_loss"):
+        assert metrics[key] == pytest.approx(metrics0[key], abs=1e-5), key
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads0)
+    _, fsdp, tensor = shape
+    # expert_gate [layers, experts, d, f]: experts over fsdp, d whole, f over tensor
+    assert shard == (2, 8 // fsdp, 32, 16 // tensor)
+
+
+def _collectives(text: str, op: str) -> list[str]:
+    """Result shapes of the `op` collectives in compiled HLO text (e.g. 'f32[16,14,32]')."""
+    return re.findall(rf"= (\w+\[[\d,]*\])\{{[^}}]*\}} {op}\(", text)
+
+
+def test_compiled_step_exchanges_tokens_not_experts():
+    """fsdp = 8 (one expert per device): the compiled step gathers each layer's tokens
+    [b, t, d] (rows of all 8 devices) with their ids and gates and reduce-scatters the expert
+    outputs back to [b / 8, t, d]; no expert weight is ever gathered whole."""
+    built, batch = build("portable", (1, 8, 1))
+    text = built.step_fn.lower(*built.abstract_args(batch)).compile().as_text()
+    gathered = _collectives(text, "all-gather")
+    assert {"f32[16,14,32]", "s32[16,14,2]", "f32[16,14,2]"} <= set(gathered)
+    assert "f32[2,14,32]" in _collectives(text, "reduce-scatter")
+    whole = {"f32[8,32,16]", "f32[8,16,32]", "f32[2,8,32,16]", "f32[2,8,16,32]"}
+    assert not whole & set(gathered), sorted(set(gathered))
