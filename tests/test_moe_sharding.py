@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from conftest import ROLLOUT_BATCH_BUCKET, TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jgrpo import sharding, step, step_setup
 from jgrpo.batch import TrainBatch
-from jgrpo.config import load_config
+from jgrpo.config import MeshConfig, load_config
 from jgrpo.models import moe as moe_lib
 from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 
@@ -64,6 +65,24 @@ def grads_on(kernels: str, mesh_shape):
         jax.tree.map(np.asarray, grads),
         shard,
     )
+
+
+def test_expert_parallel_only_when_experts_split_over_fsdp():
+    """The block's shard_map runs when `expert` maps to fsdp and mesh.fsdp > 1; the expert
+    weights' specs are their stored ones (experts over fsdp, d whole, f over tensor)."""
+
+    def ep(rules=(), **shape):
+        mesh_cfg = MeshConfig(**shape, rules=rules)
+        mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:8])
+        return sharding.expert_parallel(mesh, sharding.make_rules(mesh_cfg))
+
+    assert ep(data=8) is None
+    assert ep(data=2, fsdp=4, rules=(("expert", None),)) is None
+    got = ep(data=2, fsdp=2, tensor=2)
+    assert (got.axis, got.partial_axes) == ("fsdp", ("tensor",))
+    assert (got.w_in, got.w_out) == (P("fsdp", None, "tensor"), P("fsdp", "tensor", None))
+    assert got.tokens == P(("data", "fsdp"), None, None)
+    assert ep(fsdp=8).partial_axes == ()
 
 
 MESHES = [(2, 4, 1), (1, 8, 1), (2, 2, 2)]
@@ -115,3 +134,32 @@ def test_compiled_step_exchanges_tokens_not_experts():
     assert "f32[2,14,32]" in _collectives(text, "reduce-scatter")
     whole = {"f32[8,32,16]", "f32[8,16,32]", "f32[2,8,32,16]", "f32[2,8,16,32]"}
     assert not whole & set(gathered), sorted(set(gathered))
+
+
+@pytest.mark.heavy  # two `jgrpo train` runs of 3 steps: 1 process x 8 devices, 2 x 4
+def test_two_process_pod_with_expert_parallelism_matches_one_process(tmp_path):
+    """builtin:tiny-qwen3-moe on data 4 x fsdp 2 (fsdp within each host: its experts split
+    over a host's devices pairwise, the tokens exchanged there), the local backend sampling
+    with each host's replica: the pod's losses equal one process's."""
+    from test_distributed import COMPARED, OVERRIDES, REWARD, _launch, _log, _wait
+
+    from jgrpo.metrics import read_metrics
+
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    overrides = [
+        *OVERRIDES,
+        "model.path=builtin:tiny-qwen3-moe",
+        "model.moe.router_z_loss_coef=0.01",
+    ]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, overrides=overrides)
+    procs += _launch(tmp_path, pod, 2, overrides=overrides)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-2000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    for r, ref in zip(rows, reference):
+        assert ref["train/grad_norm"] > 0.1 and ref["moe/router_loss"] > 0
+        for key in (*COMPARED, "moe/aux_loss", "moe/z_loss", "moe/tokens_per_expert_max"):
+            assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)
