@@ -18,6 +18,7 @@ from jgrpo import sharding, step, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import MeshConfig, load_config
 from jgrpo.models import moe as moe_lib
+from jgrpo.models.adapters import join_lora
 from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 
 SPEC = moe_lib.MoESpec(num_experts=8, top_k=2, expert_size=16, sparse_layers=(True, True))
@@ -45,7 +46,7 @@ def build(kernels: str, mesh_shape):
     )
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[: int(np.prod(mesh_shape))])
     built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), tiny_moe(kernels), mesh=mesh)
-    batch = TrainBatch(**make_rollout_batch(0)).shard(mesh)
+    batch = built.device_batch(TrainBatch(**make_rollout_batch(0)))
     return built, batch
 
 
@@ -128,6 +129,9 @@ def test_compiled_step_exchanges_tokens_not_experts():
     [b, t, d] (rows of all 8 devices) with their ids and gates and reduce-scatters the expert
     outputs back to [b / 8, t, d]; no expert weight is ever gathered whole."""
     built, batch = build("portable", (1, 8, 1))
+    assert nnx.merge(built.graphdef, built.state.params).expert_parallel.axis == "fsdp"
+    # the trainer's model outside the step (the pod's sampler and export): every expert here
+    assert join_lora(built.graphdef, built.state.params).expert_parallel is None
     text = built.step_fn.lower(*built.abstract_args(batch)).compile().as_text()
     gathered = _collectives(text, "all-gather")
     assert {"f32[16,14,32]", "s32[16,14,2]", "f32[16,14,2]"} <= set(gathered)
@@ -136,12 +140,25 @@ def test_compiled_step_exchanges_tokens_not_experts():
     assert not whole & set(gathered), sorted(set(gathered))
 
 
+POD_COMPARED = (
+    "loss/pg",
+    "loss/total",
+    "train/grad_norm",
+    "reward/mean",
+    "advantage/std",
+    "moe/aux_loss",
+    "moe/z_loss",
+    "moe/tokens_per_expert_max",
+)
+"""Metrics the pod and the one-process run must share (the trainer's and the sampler's)."""
+
+
 @pytest.mark.heavy  # two `jgrpo train` runs of 3 steps: 1 process x 8 devices, 2 x 4
 def test_two_process_pod_with_expert_parallelism_matches_one_process(tmp_path):
     """builtin:tiny-qwen3-moe on data 4 x fsdp 2 (fsdp within each host: its experts split
     over a host's devices pairwise, the tokens exchanged there), the local backend sampling
     with each host's replica: the pod's losses equal one process's."""
-    from test_distributed import COMPARED, OVERRIDES, REWARD, _launch, _log, _wait
+    from test_distributed import OVERRIDES, REWARD, _launch, _log, _wait
 
     from jgrpo.metrics import read_metrics
 
@@ -161,5 +178,5 @@ def test_two_process_pod_with_expert_parallelism_matches_one_process(tmp_path):
     assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
     for r, ref in zip(rows, reference):
         assert ref["train/grad_norm"] > 0.1 and ref["moe/router_loss"] > 0
-        for key in (*COMPARED, "moe/aux_loss", "moe/z_loss", "moe/tokens_per_expert_max"):
+        for key in POD_COMPARED:
             assert r[key] == pytest.approx(ref[key], abs=1e-5), (r["step"], key)
