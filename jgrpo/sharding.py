@@ -1,10 +1,10 @@
 """The device mesh and the logical -> mesh axis rules; the only file that names mesh axes.
 
 Mesh axes: `data` (batch only), `fsdp` (batch and parameters: each device holds 1/fsdp of every
-large matrix), `tensor` (heads, mlp, vocab). Parameters carry logical names (see
-models/transformer.py); one rules table maps them to mesh axes and `mesh.rules` overrides
-entries. Batches are split over data x fsdp on their leading axis. Multi-host batches enter
-through `jax.make_array_from_process_local_data`.
+large matrix; also MoE experts: `ExpertParallel`), `tensor` (heads, mlp, vocab). Parameters
+carry logical names (see models/transformer.py); one rules table maps them to mesh axes and
+`mesh.rules` overrides entries. Batches are split over data x fsdp on their leading axis.
+Multi-host batches enter through `jax.make_array_from_process_local_data`.
 
 Pods (several processes): the data axis runs over hosts first. Each host's devices form
 `data / num_processes` contiguous rows of the mesh whenever fsdp x tensor divides the devices of
