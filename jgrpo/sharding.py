@@ -1,10 +1,10 @@
 """The device mesh and the logical -> mesh axis rules; the only file that names mesh axes.
 
 Mesh axes: `data` (batch only), `fsdp` (batch and parameters: each device holds 1/fsdp of every
-large matrix), `tensor` (heads, mlp, vocab). Parameters carry logical names (see
-models/transformer.py); one rules table maps them to mesh axes and `mesh.rules` overrides
-entries. Batches are split over data x fsdp on their leading axis. Multi-host batches enter
-through `jax.make_array_from_process_local_data`.
+large matrix; also MoE experts: `ExpertParallel`), `tensor` (heads, mlp, vocab). Parameters
+carry logical names (see models/transformer.py); one rules table maps them to mesh axes and
+`mesh.rules` overrides entries. Batches are split over data x fsdp on their leading axis.
+Multi-host batches enter through `jax.make_array_from_process_local_data`.
 
 Pods (several processes): the data axis runs over hosts first. Each host's devices form
 `data / num_processes` contiguous rows of the mesh whenever fsdp x tensor divides the devices of
@@ -39,10 +39,9 @@ DEFAULT_RULES: dict[str, str | None] = {
     "head_dim": None,
     "norm": None,
     "lora_rank": None,  # LoRA adapter rank: small, never sharded (models/lora.py)
-    # MoE experts (models/moe_transformer.py): not sharded for now, as their embed/mlp dims
-    # already shard over fsdp/tensor like a dense MLP's; expert parallelism needs the tokens
-    # dispatched to the experts' devices (an all-to-all), which this mapping alone does not do
-    "expert": None,
+    # MoE experts (models/moe_transformer.py): expert parallelism over fsdp (`expert_parallel`:
+    # each device holds E / fsdp whole experts; the block gathers its tokens over fsdp)
+    "expert": "fsdp",
 }
 
 
@@ -99,15 +98,18 @@ def make_rules(mesh_cfg: MeshConfig) -> dict[str, str | None]:
 
 
 def logical_to_spec(name: str, shape, axes, rules, mesh: Mesh) -> PartitionSpec:
-    spec = []
+    """The PartitionSpec of a parameter from its logical axes. A mesh axis splits only the first
+    dim that maps to it (an expert weight [e, d, f]: experts over fsdp, so d stays whole)."""
+    spec, used = [], set()
     for dim, logical in zip(shape, axes):
         axis = rules.get(logical)
-        size = mesh.shape[axis] if axis is not None else 1
+        size = mesh.shape[axis] if axis is not None and axis not in used else 1
         if size > 1 and dim % size:
             raise ConfigError(
                 f"mesh: parameter {name} dim {logical}={dim} is not divisible by mesh.{axis}={size}"
             )
         spec.append(axis if size > 1 else None)
+        used.add(axis)
     return PartitionSpec(*spec)
 
 
@@ -143,6 +145,43 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def batch_shards(mesh: Mesh) -> int:
     """How many parts a batch's rows are split into (data x fsdp)."""
     return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
+class ExpertParallel(NamedTuple):
+    """How an MoE block runs its experts on the trainer's mesh (`models/moe_parallel.py`).
+
+    The experts are split over `axis` (fsdp), which also splits the batch rows. Inside a
+    `shard_map` each device gathers the tokens (and their routing) of its `axis` group, runs
+    its own E / |axis| experts on the pairs routed to them, and reduce-scatters the outputs
+    back to the devices that own the tokens; the other batch axis (data) is never gathered."""
+
+    mesh: Mesh
+    axis: str
+    """The mesh axis the experts and the token exchange run over."""
+    tokens: PartitionSpec
+    """Per-token arrays [b, t, ...]: rows over data x fsdp."""
+    w_in: PartitionSpec
+    """expert_gate / expert_up of one layer [e, d, f], as stored."""
+    w_out: PartitionSpec
+    """expert_down of one layer [e, f, d], as stored."""
+    partial_axes: tuple[str, ...]
+    """Axes that split the expert width f: each device's outputs are partial sums over them."""
+
+
+def expert_parallel(mesh: Mesh, rules) -> Optional[ExpertParallel]:
+    """The `ExpertParallel` of `mesh` under `rules`, or None when the experts are not split
+    over fsdp (rules map `expert` elsewhere, or mesh.fsdp is 1): the block's plain path, its
+    weights then laid out by propagation."""
+    axis = rules.get("expert")
+    if axis != "fsdp" or mesh.shape[axis] == 1:
+        return None
+    whole = (math.prod(mesh.shape.values()),) * 3  # divisible: param_shardings checks the real
+    w_in = logical_to_spec("expert_gate", whole, ("expert", "embed", "mlp"), rules, mesh)
+    w_out = logical_to_spec("expert_down", whole, ("expert", "mlp", "embed"), rules, mesh)
+    partial = tuple(a for a in MESH_AXES if a != axis and a in (w_in[2], w_out[1]))
+    if w_in[1] is not None or w_out[2] is not None:
+        raise ConfigError("mesh.rules: expert parallelism needs the experts' `embed` dim whole")
+    return ExpertParallel(mesh, axis, batch_sharding(mesh, 3).spec, w_in, w_out, partial)
 
 
 class LogitShardings(NamedTuple):

@@ -24,6 +24,7 @@ from flax import nnx
 from jgrpo import packing, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
+from jgrpo.models.moe_transformer import MoETransformer
 from jgrpo.optimizer import as_float32, make_optimizer, opt_state_shardings
 from jgrpo.step import StepFlags, StepHparams, TrainState, make_train_step
 
@@ -73,7 +74,9 @@ def _reference_copy(params, dtype):
     return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x.copy(), params)
 
 
-def constrained_graphdef(model: nnx.Module, activation_sharding, logit_shardings):
+def constrained_graphdef(
+    model: nnx.Module, activation_sharding, logit_shardings, expert_parallel=None
+):
     """The graph def of `model` with its [b, t, d] activations pinned to the batch sharding
     and its LM head laid out by `logit_shardings` (`sharding.LogitShardings`: vocab-parallel
     inside the logprob chunks, its gradient pinned to the head's own sharding).
@@ -85,14 +88,22 @@ def constrained_graphdef(model: nnx.Module, activation_sharding, logit_shardings
     split over the vocab and the chunk's rows are gathered instead (a chunk's activations are
     small). Likewise the head's gradient: unpinned, each chunk's [d, V] float32 gradient and
     its accumulator stayed whole on every device.
+    An MoE model also gets `expert_parallel` (`sharding.ExpertParallel` or None): its blocks
+    then run their experts split over the mesh (models/moe_parallel.py).
     `model` itself is left as it was (the sampler's graph stays unconstrained: its batches
-    need not divide)."""
+    need not divide, and its MoE blocks run every expert)."""
+    moe = isinstance(model, MoETransformer)
     before = model.activation_sharding, model.logit_shardings
+    before_ep = model.expert_parallel if moe else None
     model.activation_sharding, model.logit_shardings = activation_sharding, logit_shardings
+    if moe:
+        model.expert_parallel = expert_parallel
     try:
         return nnx.graphdef(model)
     finally:
         model.activation_sharding, model.logit_shardings = before
+        if moe:
+            model.expert_parallel = before_ep
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -195,7 +206,8 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
     head = "embed" if model.cfg.tie_word_embeddings else "lm_head"
     head_sharding = sharding.param_shardings(nnx.state(model), mesh, rules)[head]
     logits = sharding.logit_shardings(mesh, head_sharding, model.cfg.vocab_size)
-    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits)
+    ep = sharding.expert_parallel(mesh, rules)
+    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits, ep)
     tx = make_optimizer(cfg)
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)

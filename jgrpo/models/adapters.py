@@ -32,6 +32,7 @@ from jgrpo.models.hf import (
     read_safetensors,
     write_safetensors,
 )
+from jgrpo.models.moe_transformer import MoETransformer
 from jgrpo.models.transformer import Transformer
 
 _PEFT_PREFIX = "base_model.model.model.layers"
@@ -62,10 +63,13 @@ def split_lora(model: Transformer):
 def join_lora(graphdef, trainable, frozen=None) -> Transformer:
     """The model of the trainer's two trees, sharing their arrays: the `frozen` base (None:
     everything trains) and the `trainable` tree (the adapters), whose top-level keys are
-    disjoint. The train step's sharding constraints (which name the trainer's mesh) are
-    cleared: this model samples or exports on whatever devices its arrays are on."""
+    disjoint. The train step's sharding constraints and MoE expert parallelism (which name
+    the trainer's mesh) are cleared: this model samples or exports on whatever devices its
+    arrays are on."""
     model = nnx.merge(graphdef, trainable if frozen is None else frozen | trainable)
     model.activation_sharding = model.logit_shardings = None
+    if isinstance(model, MoETransformer):
+        model.expert_parallel = None
     return model
 
 

@@ -20,6 +20,8 @@ from typing import Literal, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jgrpo.models.moe_parallel import experts_sharded
+
 RouterKind = Literal["softmax", "sigmoid"]
 EXPERT_PATHS = {"cpu": "dense", "portable": "grouped"}
 """Kernel path (`kernels.resolve_kernels`) -> expert implementation (grouped | dense)."""
@@ -173,24 +175,25 @@ def experts_dense(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
     return jnp.einsum("ted,te->td", y_ted, mix_te.astype(y_ted.dtype))
 
 
-def moe_mlp(p: dict, x_btd, spec: MoESpec, path: str, expert_ids_btk=None):
+def moe_mlp(p: dict, x_btd, spec: MoESpec, path: str, expert_ids_btk=None, parallel=None):
     """The MoE block on x_btd with one layer's params `p` (router [d, e], router_bias [e] for
     the sigmoid router, expert_gate / expert_up [e, d, f], expert_down [e, f, d], shared_gate /
     shared_up [d, fs], shared_down [fs, d] when spec.shared_size) -> (y_btd, Routing of the
-    b*t tokens). `path`: the resolved kernel path (EXPERT_PATHS picks the expert code)."""
+    b*t tokens). `path`: the resolved kernel path (EXPERT_PATHS picks the expert code).
+    `parallel`: a `sharding.ExpertParallel` (the trainer's mesh): experts split over devices
+    (moe_parallel.experts_sharded); None runs every expert here."""
     b, t, d = x_btd.shape
     x_td = x_btd.reshape(b * t, d)
     ids = None if expert_ids_btk is None else expert_ids_btk.reshape(b * t, -1)
     routing = route(x_td, p["router"], p.get("router_bias"), spec, ids)
     experts = experts_grouped if EXPERT_PATHS[path] == "grouped" else experts_dense
-    y_td = experts(
-        x_td,
-        routing.expert_ids_tk,
-        routing.gates_tk,
-        p["expert_gate"],
-        p["expert_up"],
-        p["expert_down"],
-    )
+    weights = (p["expert_gate"], p["expert_up"], p["expert_down"])
+    if parallel is None:
+        y_td = experts(x_td, routing.expert_ids_tk, routing.gates_tk, *weights)
+    else:
+        ids_btk, gates_btk = (a.reshape(b, t, -1) for a in routing[:2])
+        y_btd = experts_sharded(parallel, experts, x_btd, ids_btk, gates_btk, *weights)
+        y_td = y_btd.reshape(b * t, d)
     if spec.shared_size:
         y_td = y_td + swiglu(x_td, p["shared_gate"], p["shared_up"], p["shared_down"])
     return y_td.reshape(b, t, d).astype(x_btd.dtype), routing

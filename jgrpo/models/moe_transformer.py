@@ -96,15 +96,17 @@ def _qkv(p, cfg: MoETransformerConfig, x_btd, rope):
     return _rope(q, rope, cfg.rope_dim), _rope(k, rope, cfg.rope_dim), v
 
 
-def _mlp(p, m, cfg: MoETransformerConfig, x_btd, attn_btnh, sparse: bool, path, ids=None):
-    """Attention output + residual, then the MLP (dense or MoE `m`) + residual ->
-    (x_btd, Routing or None)."""
+def _mlp(
+    p, m, cfg: MoETransformerConfig, x_btd, attn_btnh, sparse: bool, path, ids=None, parallel=None
+):
+    """Attention output + residual, then the MLP (dense or MoE `m`; `parallel`: its experts'
+    sharding.ExpertParallel or None) + residual -> (x_btd, Routing or None)."""
     o_btd = _project(attn_btnh, p["o"], contract=2)
     x_btd = x_btd + lora_lib.add_delta(o_btd, p, "o", attn_btnh, cfg.lora)
     h_btd = rms_norm(x_btd, p["mlp_norm"], cfg.rms_norm_eps)
     if not sparse:
         return x_btd + moe_lib.swiglu(h_btd, m["gate"], m["up"], m["down"]), None
-    y_btd, routing = moe_lib.moe_mlp(m, h_btd, cfg.moe, path, ids)
+    y_btd, routing = moe_lib.moe_mlp(m, h_btd, cfg.moe, path, ids, parallel)
     return x_btd + y_btd, routing
 
 
@@ -116,6 +118,9 @@ class MoETransformer(Transformer):
         self.cfg = cfg
         self.activation_sharding = None  # as Transformer's (jgrpo.step_setup sets them)
         self.logit_shardings = None
+        # the trainer's sharding.ExpertParallel (static in the graph def like the above; set by
+        # step_setup.constrained_graphdef): None = every expert on every device (the sampler)
+        self.expert_parallel = None
         spec = cfg.moe
         d, n, k, h, l, v = (
             cfg.hidden_size,
@@ -215,7 +220,9 @@ class MoETransformer(Transformer):
                 x_btd = self._constrain(x_btd)
                 q, k, v = _qkv(p, cfg, x_btd, rope)
                 attn_btnh = attention(q, k, v, mask_bts, cfg.kernels, causal=True)
-                x_btd, routing = _mlp(p, m, cfg, x_btd, attn_btnh, sparse, path, ids)
+                x_btd, routing = _mlp(
+                    p, m, cfg, x_btd, attn_btnh, sparse, path, ids, self.expert_parallel
+                )
                 out = (k, v)
                 if sparse:
                     b, t = x_btd.shape[:2]
