@@ -2,7 +2,8 @@
 
 Everything is abstract (`step_setup.build_step` on an `nnx.eval_shape` model:
 jax.ShapeDtypeStructs with shardings), so a full-size model can be sized for any mesh on a
-laptop; a model.path folder holding only config.json is enough. The report: matmul flops of
+laptop; a model.path folder holding only config.json is enough. The report: total and active
+parameters (`active_params`: what one token runs of an MoE model); matmul flops of
 the whole step (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its
 trip count, XLA's own count is kept beside it) and the same from the shapes alone
 (`analytic_flops`, the cross-check); per-device bytes of the parameters, optimizer state,
@@ -346,6 +347,27 @@ def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
+def routed_expert_params(model_cfg) -> tuple[int, float]:
+    """(parameters of the routed experts, the share of them one token runs: top_k / experts)
+    of an MoE model config; (0, 1.0) for a dense one. The routed experts are the gate, up and
+    down matrices of every MoE layer's E experts: 3 x d x f x E per MoE layer."""
+    spec = getattr(model_cfg, "moe", None)
+    if spec is None or not spec.num_sparse:
+        return 0, 1.0
+    per_layer = 3 * model_cfg.hidden_size * spec.expert_size * spec.num_experts
+    return spec.num_sparse * per_layer, spec.top_k / spec.num_experts
+
+
+def active_params(total: int, model_cfg) -> int:
+    """The parameters one token runs, of a model of `total` parameters: everything but the
+    routed experts not chosen for it. Counted in full: attention, norms, dense MLP layers,
+    shared experts, routers, LoRA adapters, the embedding and the LM head (as the "A3B" of
+    Qwen3-30B-A3B counts them, though a token reads one row of the embedding); of the routed
+    experts, top_k / E of them. A dense model: `total`."""
+    routed, share = routed_expert_params(model_cfg)
+    return total - routed + round(routed * share)
+
+
 def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) -> dict:
     """The report (docs/precision-and-memory.md). Under grpo.sequence_packing the step is
     sized for the most packed rows a batch can take (B: no row shares one); `lengths` adds
@@ -359,9 +381,11 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
     state = built.state
     batch_devices = built.mesh.shape["data"] * built.mesh.shape["fsdp"]
     kv = kv_cache_bytes(cfg, model_cfg)
+    num_params = _count((state.params, built.frozen))
     report = {
         "mesh": dict(built.mesh.shape),
-        "num_params": _count((state.params, built.frozen)),
+        "num_params": num_params,
+        "num_active_params": active_params(num_params, model_cfg),
         "num_trainable_params": _count(state.params),
         "param_dtype": model_cfg.param_dtype,
         "compute_dtype": model_cfg.dtype,

@@ -356,6 +356,7 @@ def test_malformed_device_memory_exits_2_before_the_config_is_read(capsys):
 REPORT = {
     "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
     "num_params": 494_032_768,
+    "num_active_params": 3_353_032_704,
     "num_trainable_params": 7_615_616_512,
     "param_dtype": "float32",
     "param_bytes_per_device": 2 * GIB + GIB // 2,
@@ -380,6 +381,7 @@ def test_text_report_uses_human_units():
     assert lines == {
         "mesh": "data 1 x fsdp 8 x tensor 1",
         "num_params": "494.0M (494,032,768)",
+        "num_active_params": "3.35B (3,353,032,704)",
         "num_trainable_params": "7.62B (7,615,616,512)",
         "param_dtype": "float32",
         "param_bytes_per_device": "2.50 GiB",
@@ -439,6 +441,7 @@ def test_cli_prints_the_verdict_in_text_and_json(capsys):
     assert "does not fit: each device needs at least" in out and "of 1MB (976.56 KiB)" in out
     assert cli.main([*base, "--device-memory", "80GB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["num_active_params"] == report["num_params"] > 0  # dense: every weight runs
     need = sum(
         report[k]
         for k in (
