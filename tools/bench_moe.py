@@ -8,9 +8,8 @@ top-2) on one device, the two expert paths built from the same weights and batch
 interleaved rounds (grouped, dense, grouped, ...; each round `--calls` calls of each, compile
 excluded); median ms per step, and the largest difference of the parameters after one step
 from the same state. The path is chosen by pointing the kernel path in use at the other expert
-implementation
-(`moe.EXPERT_PATHS`, read at trace time) while each step compiles: attention and everything
-else stay the same program.
+implementation (`moe.EXPERT_PATHS`, read at trace time) while each step compiles: attention
+and everything else stay the same program.
 `block`: the expert block alone (`experts_grouped` / `experts_dense`), forward and gradient,
 on three shapes (tokens t, d, expert f, experts e, top k): small 256x64x32, 8 experts, top-2;
 mid 1024x256x128, 16 experts, top-4; decode 16x256x128, 16 experts, top-4.
