@@ -87,16 +87,19 @@ def bench_step(rows: int, seq: int, rounds: int, calls: int) -> dict:
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     model = load_policy(cfg.model, seed=0)
     host = _host_batch(rows, seq, model.cfg.vocab_size, group)
-    built = step_setup.build_step(cfg, model, mesh=mesh)
     batch = TrainBatch(**host).shard(mesh)
-    runs, updated = {}, {}
+    runs, updated, texts = {}, {}, {}
     for path in PATHS:
-        # each path its own copy of the state: the step donates (and so deletes) its input
+        # a fresh jitted step per path (jit caches its trace), and its own copy of the state
+        # (the step donates, and so deletes, its input)
+        built = step_setup.build_step(cfg, model, mesh=mesh)
         args = [jax.tree.map(jnp.array, built.state), batch, built.hparams, built.ref_params]
         args.append(built.frozen)
         with expert_path(path):
             compiled = built.step_fn.lower(*args).compile()
-        runs[path] = (compiled, args)
+        runs[path], texts[path] = (compiled, args), compiled.as_text()
+    if texts["grouped"] == texts["dense"]:
+        raise RuntimeError("bench_moe: both expert paths compiled to the same program")
     for path in PATHS:  # the first step of each from the same state: the same update
         compiled, args = runs[path]
         args[0], _ = compiled(*args)
