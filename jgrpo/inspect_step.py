@@ -139,7 +139,8 @@ def analytic_flops(
 ) -> dict:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
-    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention scores +
+    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, the MLP (`mlp_flops`: SwiGLU
+    6df; an MoE layer runs its top_k experts and router), attention scores +
     values 4Tnh (the full T x T square of its row: masking saves nothing), LoRA adapters
     2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
     positions after the prompt bucket (the only ones scored). `row_tokens` (the tokens of each
@@ -158,12 +159,11 @@ def analytic_flops(
     compiled program executes)."""
     m, g, ro = model_cfg, cfg.grpo, cfg.rollout
     b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
-    d, n, k, h, f, v, l = (
+    d, n, k, h, v, l = (
         m.hidden_size,
         m.num_heads,
         m.num_kv_heads,
         m.head_dim,
-        m.intermediate_size,
         m.vocab_size,
         m.num_layers,
     )
@@ -173,7 +173,7 @@ def analytic_flops(
     row_tokens = [t] * b if row_tokens is None else [int(x) for x in row_tokens]
     tokens = sum(row_tokens)
     attention = sum(x * x for x in row_tokens) * l * 4 * n * h
-    weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)
+    weights = tokens * (l * (2 * d * (n + 2 * k) * h + 2 * n * h * d) + mlp_flops(m))
     adapters = 0
     if m.lora is not None:
         per_layer = sum(math.prod(shape) for shape, _ in adapter_layout(m).values()) // l
@@ -197,6 +197,18 @@ def analytic_flops(
         "model": float(model),
         "step": float(model + recompute),
     }
+
+
+def mlp_flops(model_cfg) -> int:
+    """Matmul flops of one token's forward through every layer's MLP: a dense layer's SwiGLU
+    6df; an MoE layer's router 2dE, its top_k routed experts 6 d f_e each and its shared
+    experts 6 d f_s (what the grouped path computes; the dense path runs all E)."""
+    d, spec = model_cfg.hidden_size, getattr(model_cfg, "moe", None)
+    dense = 6 * d * model_cfg.intermediate_size
+    if spec is None:
+        return model_cfg.num_layers * dense
+    sparse = 2 * d * spec.num_experts + 6 * d * (spec.top_k * spec.expert_size + spec.shared_size)
+    return (model_cfg.num_layers - spec.num_sparse) * dense + spec.num_sparse * sparse
 
 
 def chunk_count(positions: int, chunk: int) -> int:

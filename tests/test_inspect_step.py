@@ -107,6 +107,26 @@ def inspect_shape(folder, hf_config, overrides, microbatches):
     }
 
 
+def test_moe_flops_count_the_experts_each_path_runs():
+    """The tiny MoE step (8 experts, top-2): the compiled dense path (the cpu kernels: every
+    expert on every token) equals `analytic_flops` with all 8 experts active; the reported
+    analytic count is the one with 2 (what the grouped path runs)."""
+    import dataclasses
+
+    from jgrpo.inspect_step import analytic_flops
+    from jgrpo.models import load_policy
+
+    cfg = load_config(TINY, ["model.path=builtin:tiny-qwen3-moe"])
+    report = inspect_step(cfg)
+    model_cfg = load_policy(cfg.model, abstract=True).cfg
+    spec = model_cfg.moe
+    every = dataclasses.replace(model_cfg, moe=dataclasses.replace(spec, top_k=spec.num_experts))
+    assert report["flops"] == pytest.approx(analytic_flops(cfg, every)["step"], rel=0.02)
+    assert report["flops_analytic"] == analytic_flops(cfg, model_cfg)["step"]
+    assert report["flops_analytic"] < 0.8 * report["flops"]
+    assert report["num_active_params"] < report["num_params"]
+
+
 @pytest.mark.slow
 def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
     overrides = [
