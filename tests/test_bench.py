@@ -63,6 +63,9 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
     )
     assert (decode_ms is None) == (decode_limit is None)
     assert decode_ms is None or (decode_ms > 0 and decode_limit > 0)
+    moe = report["moe"]["step"]  # tools/bench_moe.py at its smallest setting
+    assert "== MoE train step, builtin:tiny-qwen3-moe" in out.stdout
+    assert moe["grouped_ms"] > 0 and moe["dense_ms"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json
 
 
