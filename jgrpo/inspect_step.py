@@ -2,7 +2,8 @@
 
 Everything is abstract (`step_setup.build_step` on an `nnx.eval_shape` model:
 jax.ShapeDtypeStructs with shardings), so a full-size model can be sized for any mesh on a
-laptop; a model.path folder holding only config.json is enough. The report: matmul flops of
+laptop; a model.path folder holding only config.json is enough. The report: total and active
+parameters (`active_params`: what one token runs of an MoE model); matmul flops of
 the whole step (`hlo_dot_flops` walks the compiled HLO and multiplies each while body by its
 trip count, XLA's own count is kept beside it) and the same from the shapes alone
 (`analytic_flops`, the cross-check); per-device bytes of the parameters, optimizer state,
@@ -138,7 +139,8 @@ def analytic_flops(
 ) -> dict:
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
-    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, SwiGLU 6df, attention scores +
+    Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, the MLP (`mlp_flops`: SwiGLU
+    6df; an MoE layer runs its top_k experts and router), attention scores +
     values 4Tnh (the full T x T square of its row: masking saves nothing), LoRA adapters
     2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
     positions after the prompt bucket (the only ones scored). `row_tokens` (the tokens of each
@@ -157,12 +159,11 @@ def analytic_flops(
     compiled program executes)."""
     m, g, ro = model_cfg, cfg.grpo, cfg.rollout
     b, t = g.batch_size, ro.prompt_bucket + ro.max_new_tokens
-    d, n, k, h, f, v, l = (
+    d, n, k, h, v, l = (
         m.hidden_size,
         m.num_heads,
         m.num_kv_heads,
         m.head_dim,
-        m.intermediate_size,
         m.vocab_size,
         m.num_layers,
     )
@@ -172,7 +173,7 @@ def analytic_flops(
     row_tokens = [t] * b if row_tokens is None else [int(x) for x in row_tokens]
     tokens = sum(row_tokens)
     attention = sum(x * x for x in row_tokens) * l * 4 * n * h
-    weights = tokens * l * (2 * d * (n + 2 * k) * h + 2 * n * h * d + 6 * d * f)
+    weights = tokens * (l * (2 * d * (n + 2 * k) * h + 2 * n * h * d) + mlp_flops(m))
     adapters = 0
     if m.lora is not None:
         per_layer = sum(math.prod(shape) for shape, _ in adapter_layout(m).values()) // l
@@ -196,6 +197,18 @@ def analytic_flops(
         "model": float(model),
         "step": float(model + recompute),
     }
+
+
+def mlp_flops(model_cfg) -> int:
+    """Matmul flops of one token's forward through every layer's MLP: a dense layer's SwiGLU
+    6df; an MoE layer's router 2dE, its top_k routed experts 6 d f_e each and its shared
+    experts 6 d f_s (what the grouped path computes; the dense path runs all E)."""
+    d, spec = model_cfg.hidden_size, getattr(model_cfg, "moe", None)
+    dense = 6 * d * model_cfg.intermediate_size
+    if spec is None:
+        return model_cfg.num_layers * dense
+    sparse = 2 * d * spec.num_experts + 6 * d * (spec.top_k * spec.expert_size + spec.shared_size)
+    return (model_cfg.num_layers - spec.num_sparse) * dense + spec.num_sparse * sparse
 
 
 def chunk_count(positions: int, chunk: int) -> int:
@@ -346,6 +359,27 @@ def _count(tree) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
+def routed_expert_params(model_cfg) -> tuple[int, float]:
+    """(parameters of the routed experts, the share of them one token runs: top_k / experts)
+    of an MoE model config; (0, 1.0) for a dense one. The routed experts are the gate, up and
+    down matrices of every MoE layer's E experts: 3 x d x f x E per MoE layer."""
+    spec = getattr(model_cfg, "moe", None)
+    if spec is None or not spec.num_sparse:
+        return 0, 1.0
+    per_layer = 3 * model_cfg.hidden_size * spec.expert_size * spec.num_experts
+    return spec.num_sparse * per_layer, spec.top_k / spec.num_experts
+
+
+def active_params(total: int, model_cfg) -> int:
+    """The parameters one token runs, of a model of `total` parameters: everything but the
+    routed experts not chosen for it. Counted in full: attention, norms, dense MLP layers,
+    shared experts, routers, LoRA adapters, the embedding and the LM head (as the "A3B" of
+    Qwen3-30B-A3B counts them, though a token reads one row of the embedding); of the routed
+    experts, top_k / E of them. A dense model: `total`."""
+    routed, share = routed_expert_params(model_cfg)
+    return total - routed + round(routed * share)
+
+
 def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) -> dict:
     """The report (docs/precision-and-memory.md). Under grpo.sequence_packing the step is
     sized for the most packed rows a batch can take (B: no row shares one); `lengths` adds
@@ -359,9 +393,11 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
     state = built.state
     batch_devices = built.mesh.shape["data"] * built.mesh.shape["fsdp"]
     kv = kv_cache_bytes(cfg, model_cfg)
+    num_params = _count((state.params, built.frozen))
     report = {
         "mesh": dict(built.mesh.shape),
-        "num_params": _count((state.params, built.frozen)),
+        "num_params": num_params,
+        "num_active_params": active_params(num_params, model_cfg),
         "num_trainable_params": _count(state.params),
         "param_dtype": model_cfg.param_dtype,
         "compute_dtype": model_cfg.dtype,

@@ -63,7 +63,33 @@ def test_bench_smoke_prints_the_table_and_saves_json(tmp_path):
     )
     assert (decode_ms is None) == (decode_limit is None)
     assert decode_ms is None or (decode_ms > 0 and decode_limit > 0)
+    moe = report["moe"]["step"]  # tools/bench_moe.py at its smallest setting
+    assert "== MoE train step, builtin:tiny-qwen3-moe" in out.stdout
+    assert moe["grouped_ms"] > 0 and moe["dense_ms"] > 0
     assert len(list(tmp_path.glob("*.json"))) == 2  # <UTC time>.json and latest.json
+
+
+def test_moe_bench_smoke_times_both_expert_paths_of_the_whole_step(capsys):
+    """tools/bench_moe.py --smoke (its smallest setting): the whole train step of the tiny MoE
+    model, grouped experts and every expert dense, from one state to the same update."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_moe
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    report = bench_moe.main(["--smoke"])
+    out = capsys.readouterr().out
+    assert "== MoE train step, builtin:tiny-qwen3-moe, 8 rows x 32 tokens" in out, out
+    assert set(report) == {"backend", "step"}
+    step = report["step"]
+    assert set(step) == {
+        "model", "rows", "seq", "rounds", "calls", "grouped_ms", "dense_ms",
+        "dense_vs_grouped", "params_max_diff",
+    }  # fmt: skip
+    assert (step["rows"], step["seq"], step["rounds"], step["calls"]) == (8, 32, 1, 1)
+    assert step["grouped_ms"] > 0 and step["dense_ms"] > 0
+    assert step["dense_vs_grouped"] == step["dense_ms"] / step["grouped_ms"]
+    assert step["params_max_diff"] < 1e-5  # float32: the two paths give the same update
 
 
 @pytest.mark.heavy  # the tool's pieces run in make test: test_reward_model and test_ray

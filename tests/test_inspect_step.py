@@ -107,6 +107,26 @@ def inspect_shape(folder, hf_config, overrides, microbatches):
     }
 
 
+def test_moe_flops_count_the_experts_each_path_runs():
+    """The tiny MoE step (8 experts, top-2): the compiled dense path (the cpu kernels: every
+    expert on every token) equals `analytic_flops` with all 8 experts active; the reported
+    analytic count is the one with 2 (what the grouped path runs)."""
+    import dataclasses
+
+    from jgrpo.inspect_step import analytic_flops
+    from jgrpo.models import load_policy
+
+    cfg = load_config(TINY, ["model.path=builtin:tiny-qwen3-moe"])
+    report = inspect_step(cfg)
+    model_cfg = load_policy(cfg.model, abstract=True).cfg
+    spec = model_cfg.moe
+    every = dataclasses.replace(model_cfg, moe=dataclasses.replace(spec, top_k=spec.num_experts))
+    assert report["flops"] == pytest.approx(analytic_flops(cfg, every)["step"], rel=0.02)
+    assert report["flops_analytic"] == analytic_flops(cfg, model_cfg)["step"]
+    assert report["flops_analytic"] < 0.8 * report["flops"]
+    assert report["num_active_params"] < report["num_params"]
+
+
 @pytest.mark.slow
 def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
     overrides = [
@@ -356,6 +376,7 @@ def test_malformed_device_memory_exits_2_before_the_config_is_read(capsys):
 REPORT = {
     "mesh": {"data": 1, "fsdp": 8, "tensor": 1},
     "num_params": 494_032_768,
+    "num_active_params": 3_353_032_704,
     "num_trainable_params": 7_615_616_512,
     "param_dtype": "float32",
     "param_bytes_per_device": 2 * GIB + GIB // 2,
@@ -380,6 +401,7 @@ def test_text_report_uses_human_units():
     assert lines == {
         "mesh": "data 1 x fsdp 8 x tensor 1",
         "num_params": "494.0M (494,032,768)",
+        "num_active_params": "3.35B (3,353,032,704)",
         "num_trainable_params": "7.62B (7,615,616,512)",
         "param_dtype": "float32",
         "param_bytes_per_device": "2.50 GiB",
@@ -439,6 +461,7 @@ def test_cli_prints_the_verdict_in_text_and_json(capsys):
     assert "does not fit: each device needs at least" in out and "of 1MB (976.56 KiB)" in out
     assert cli.main([*base, "--device-memory", "80GB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["num_active_params"] == report["num_params"] > 0  # dense: every weight runs
     need = sum(
         report[k]
         for k in (

@@ -337,6 +337,20 @@ def test_grouped_and_dense_experts_agree_with_a_loop():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
+def test_dense_experts_hold_no_per_expert_output():
+    """The dense path's forward and gradient never hold a [t, e, d] array (each expert's output
+    before mixing): their compiled temporaries stay below one of them, with d >> f."""
+    t, d, f, e, k = 256, 512, 8, 16, 2
+    x = jnp.ones((t, d))
+    ids = jnp.tile(jnp.arange(k, dtype=jnp.int32), (t, 1))
+    gates = jnp.full((t, k), 0.5)
+    w_in, w_out = jnp.ones((e, d, f)), jnp.ones((e, f, d))
+    loss = lambda *a: jnp.sum(moe_lib.experts_dense(*a) ** 2)  # noqa: E731
+    grad = jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))
+    memory = grad.lower(x, ids, gates, w_in, w_in, w_out).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < t * e * d * 4
+
+
 def test_router_replay_keeps_gates_differentiable():
     """Replaying the router's own choice gives the same output; replaying another choice
     uses those experts; either way the router weight gets a gradient."""

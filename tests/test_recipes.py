@@ -40,6 +40,54 @@ QWEN25_7B = {
     "vocab_size": 152064,
 }
 
+QWEN3_30B_A3B = {
+    # Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51 keys)
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_235B_A22B = {
+    # Qwen/Qwen3-235B-A22B's config.json: the same keys, these values differ
+    **QWEN3_30B_A3B,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_window_layers": 94,
+    "moe_intermediate_size": 1536,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 94,
+}
+
 RECIPES = {
     # config: (HF config.json, devices of the target mesh, device memory, parameter count)
     "qwen25_0.5b_gsm8k.yaml": (QWEN25_0_5B, 1, 80 * 10**9, 494_032_768),
@@ -48,7 +96,52 @@ RECIPES = {
     "qwen25_1.5b_gsm8k_lora.yaml": (QWEN25_1_5B, 1, 80 * 10**9, 1_543_714_304),
     "qwen25_0.5b_gsm8k_lora_t4.yaml": (QWEN25_0_5B, 1, 16 * 10**9, 494_032_768),
     "qwen25_7b_gsm8k_pod.yaml": (QWEN25_7B, 32, 80 * 10**9, 7_615_616_512),
+    "qwen3_30b_a3b_gsm8k_lora.yaml": (QWEN3_30B_A3B, 8, 80 * 10**9, 30_532_122_624),
+    "qwen3_235b_a22b_pod.yaml": (QWEN3_235B_A22B, 128, 80 * 10**9, 235_093_634_560),
 }
+
+
+def hf_param_counts(hf: dict) -> tuple[int, int]:
+    """(total, active per token) parameters of a Qwen3-MoE config.json counted by hand from its
+    tensors (q/k/v/o, q/k norms, two layer norms, router, experts; embedding, final norm, head):
+    a token runs num_experts_per_tok of the num_experts experts and everything else."""
+    d, h, n = hf["hidden_size"], hf["head_dim"], hf["num_attention_heads"]
+    k = hf["num_key_value_heads"]
+    e, top, f = hf["num_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]
+    attention = d * n * h + 2 * d * k * h + n * h * d + 2 * h + 2 * d
+    expert = 3 * d * f
+    embed = hf["vocab_size"] * d * (1 if hf["tie_word_embeddings"] else 2) + d
+    layers = hf["num_hidden_layers"]
+    total = embed + layers * (attention + d * e + e * expert)
+    return total, embed + layers * (attention + d * e + top * expert)
+
+
+@pytest.mark.parametrize(
+    "name, hf, fsdp, published",
+    [
+        # published totals (KerasHub's Qwen3-MoE presets), actives as Qwen names them (A3B, A22B)
+        ("qwen3_30b_a3b_gsm8k_lora.yaml", QWEN3_30B_A3B, 8, (30_532_122_624, "3.3B")),
+        ("qwen3_235b_a22b_pod.yaml", QWEN3_235B_A22B, 8, (235_093_634_560, "22B")),
+    ],
+)
+def test_moe_recipe_counts_active_and_total_params(name, hf, fsdp, published, tmp_path):
+    """inspect-step (sizes only, this process's 8 devices) counts a token's parameters: the
+    published total, top_k of 128 experts active, the hand count of the HF tensors."""
+    from jgrpo.config import load_config
+    from jgrpo.inspect_step import inspect_step
+
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    overrides = [f"model.path={tmp_path}", f"mesh.fsdp={fsdp}", "mesh.tensor=1"]
+    report = inspect_step(load_config(REPO / "configs" / name, overrides), compile=False)
+    adapters = report["num_params"] - RECIPES[name][3]  # LoRA: run by every token
+    assert adapters == (report["num_trainable_params"] if "lora" in name else 0)
+    total, active = hf_param_counts(hf)
+    assert total == published[0] == report["num_params"] - adapters
+    assert report["num_active_params"] - adapters == active
+    named = published[1][:-1]  # the name's digits, cut (not rounded) from the count
+    step = 10.0 ** -len(named.partition(".")[2])
+    assert float(named) <= active / 1e9 < float(named) + step
+    assert active / total < 0.11
 
 
 def recipe_sizing(name: str, folder: Path) -> dict:

@@ -20,6 +20,8 @@ One run measures, side by side:
              train step) vs decode slots (`rollout.decode_slots`) + `grpo.sequence_packing`,
              each phase and the whole step, on a skewed and a uniform length workload
              (tools/bench_packing.py);
+  moe        the whole train step of the tiny MoE model with grouped experts vs the same model
+             with every expert computed densely, interleaved (tools/bench_moe.py);
   compile    the tiny config's first step in a fresh process: cold compilation cache vs warm
              (`jgrpo.compile_cache`), and the steady step after it.
 
@@ -431,6 +433,11 @@ def print_report(report: dict) -> None:
         import bench_packing
 
         bench_packing.print_report(report["packing"])
+    if report.get("moe"):
+        import bench_moe
+
+        print()
+        bench_moe.print_report(report["moe"])
     if report.get("compile"):
         c = report["compile"]
         print("\n== tiny config (configs/tiny.yaml) in a fresh process; seconds")
@@ -458,6 +465,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-slots", action="store_true", help="skip the decode-slot tables")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--no-packing", action="store_true", help="skip the whole-step table")
+    ap.add_argument("--no-moe", action="store_true", help="skip the MoE expert-path table")
     ap.add_argument("--packing-cap", type=int, default=256, help="packing: completion cap")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench"), help="folder for the JSON")
     ap.add_argument("--label", default="", help="a name saved with the results")
@@ -498,6 +506,11 @@ def main(argv=None) -> dict:
             report["decode_slots"] = bench_slots_section(args.smoke, "smollm2" in sizes)
         if not args.no_packing:
             report["packing"] = bench_packing_section(sizes, args, rounds)
+        if not args.no_moe:
+            import bench_moe
+
+            small = dict(rows=8, seq=32, rounds=1, calls=1) if args.smoke else {"rounds": rounds}
+            report["moe"] = bench_moe.run(**small, block=False)
         if not args.no_compile:
             report["compile"] = bench_compile(Path(tmp))
     print_report(report)

@@ -165,14 +165,16 @@ def experts_grouped(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
 
 def experts_dense(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
     """Every expert on every token, mixed by a [t, e] gate matrix (zero off the chosen
-    experts): the same result as `experts_grouped`, work ~ t*E experts, no sort or gather."""
+    experts): the same result as `experts_grouped`, work ~ t*E experts, no sort or gather.
+    The gates scale each expert's hidden [t, e, f] before the down projection, which then sums
+    over experts and f in one matmul: no [t, e, d] per-expert output is ever held."""
     t = x_td.shape[0]
     e = gate_edf.shape[0]
     mix_te = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids_tk].add(gates_tk)
     gate_tef = jnp.einsum("td,edf->tef", x_td, gate_edf)
     up_tef = jnp.einsum("td,edf->tef", x_td, up_edf)
-    y_ted = jnp.einsum("tef,efd->ted", jax.nn.silu(gate_tef) * up_tef, down_efd)
-    return jnp.einsum("ted,te->td", y_ted, mix_te.astype(y_ted.dtype))
+    h_tef = jax.nn.silu(gate_tef) * up_tef
+    return jnp.einsum("tef,efd->td", h_tef * mix_te[..., None].astype(h_tef.dtype), down_efd)
 
 
 def moe_mlp(p: dict, x_btd, spec: MoESpec, path: str, expert_ids_btk=None, parallel=None):
