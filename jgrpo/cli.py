@@ -288,13 +288,15 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
 def _check_model_and_data(cfg, data: bool = True) -> None:
     """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
     data first, so a bad data option is named before a model download of gigabytes."""
+    from jgrpo.config.rules import needs_chat_turns
     from jgrpo.models.sources import check_model_path
 
     if data:
         from jgrpo.tasks import make_task
 
         make_task(cfg.data, cfg.grpo.seed)
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
+    check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
 
 
 def run_folder_kind(run_dir: Path) -> str:
