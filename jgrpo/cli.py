@@ -162,8 +162,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(kinds)
 
 
+def _parse(argv) -> argparse.Namespace:
+    """argparse, but overrides may also follow flags (`--config X a=1 --run-dir R b=2`)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if extra and (late != extra or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     with console_lines(level):
         return _main(args)
