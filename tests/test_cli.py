@@ -171,7 +171,8 @@ def test_overrides_may_follow_flags(capsys):
     assert "seed: 7  #" in out and "max_num_steps: 9  #" in out
     code, out, _ = run_cli(capsys, *argv[:-1], "grpo.seed=8")
     assert "seed: 8  #" in out
-    for argv in (["train", "--config", TINY, "a=1", "--show-config", "stray"], ["plot", "r", "a=1"]):
+    stray = ["train", "--config", TINY, "a=1", "--show-config", "stray"]
+    for argv in (stray, ["plot", "r", "a=1"]):
         with pytest.raises(SystemExit) as e:
             run_cli(capsys, *argv)
         assert e.value.code == 2
