@@ -204,6 +204,10 @@ class GRPOTrainer:
     ):
         for name in unsupported:
             raise ConfigError(f"GRPOTrainer: {name} is not supported (docs/trl.md)")
+        from jgrpo.tasks.child import add_user_folders
+
+        # as the CLI: `module:function` also imports from the working folder and the config's
+        add_user_folders(config if isinstance(config, (str, Path)) else None)
         self.config = build_config(
             config,
             overrides,

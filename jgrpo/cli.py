@@ -162,8 +162,20 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(kinds)
 
 
+def _parse(argv) -> argparse.Namespace:
+    """argparse, but overrides may also follow flags (`--config X a=1 --run-dir R b=2`)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if extra and (late != extra or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     with console_lines(level):
         return _main(args)
@@ -288,13 +300,15 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
 def _check_model_and_data(cfg, data: bool = True) -> None:
     """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
     data first, so a bad data option is named before a model download of gigabytes."""
+    from jgrpo.config.rules import needs_chat_turns
     from jgrpo.models.sources import check_model_path
 
     if data:
         from jgrpo.tasks import make_task
 
         make_task(cfg.data, cfg.grpo.seed)
-    check_model_path(cfg.model.path, cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens)
+    length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
+    check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
 
 
 def run_folder_kind(run_dir: Path) -> str:

@@ -532,7 +532,10 @@ def summarize(history: list[dict]) -> str:
     """A before/after table of validation accuracy: from the resume point (the last record at
     or before `history.start_step`, for a `History`) to the end."""
     if not history:
-        return "no validation was run"
+        return (
+            "no validation was run (it needs a held-out set: data.val_path, data.val_fraction or "
+            "a built-in task's data.num_val_examples)"
+        )
     start = getattr(history, "start_step", 0)
     first = ([r for r in history if r["step"] <= start] or history)[-1]
     last = history[-1]

@@ -300,7 +300,8 @@ def test_chat_prompts_need_a_chat_template(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err, err
     assert err.endswith(
         "data.prompt_key: the dataset has chat-message prompts but the tokenizer "
-        "of model.path 'builtin:tiny-qwen2' has no chat template"
+        "of model.path 'builtin:tiny-qwen2' has no chat template: give string prompts or a "
+        "model with one (builtin:tiny-qwen2-chat for the tiny model)"
     ), err
 
 

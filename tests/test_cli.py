@@ -162,6 +162,23 @@ def test_show_config_prints_docs(capsys):
     assert "force_on_policy_ratio: false  #" in out
 
 
+def test_overrides_may_follow_flags(capsys):
+    """`--config X a=1 --flag b=2`: both overrides apply, in order; a stray word is still an
+    argparse error (exit 2), and so is an override for a command without overrides."""
+    argv = ["train", "--config", TINY, "grpo.seed=7", "--show-config", "grpo.max_num_steps=9"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert "seed: 7  #" in out and "max_num_steps: 9  #" in out
+    code, out, _ = run_cli(capsys, *argv[:-1], "grpo.seed=8")
+    assert "seed: 8  #" in out
+    stray = ["train", "--config", TINY, "a=1", "--show-config", "stray"]
+    for argv in (stray, ["plot", "r", "a=1"]):
+        with pytest.raises(SystemExit) as e:
+            run_cli(capsys, *argv)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
 def test_every_shipped_config_loads():
     from jgrpo.config import load_config
 

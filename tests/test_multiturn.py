@@ -570,13 +570,17 @@ RUN = (
 )
 
 
-def test_a_template_without_a_turn_end_is_refused_before_the_model_loads(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_template_without_a_turn_end_is_refused_before_the_model_loads(command, tmp_path, capsys):
+    """`jgrpo train` and `jgrpo eval` both check the chat template before loading (exit 2)."""
     from test_conversation import PLAIN_TEMPLATE, base_model_folder
 
     from jgrpo import cli
 
     folder = base_model_folder(tmp_path / "plain", PLAIN_TEMPLATE)
-    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), f"model.path={folder}"]
+    argv = [command, "--config", TINY, f"model.path={folder}"]
+    if command == "train":
+        argv[1:1] = ["--run-dir", str(tmp_path / "run")]
     code = cli.main([*argv, *RUN])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err

@@ -197,8 +197,8 @@ CLI_MODULE = textwrap.dedent(
 )
 
 
-def _cli_run(tmp_path, monkeypatch, capsys, *overrides):
-    """The CLI from another working folder, with the reward module next to the config."""
+def _user_folders(tmp_path, monkeypatch):
+    """configs/ (run.yaml and its reward module) and elsewhere/, the working folder."""
     monkeypatch.setattr(sys, "path", list(sys.path))  # add_user_folders changes both
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     configs, elsewhere = tmp_path / "configs", tmp_path / "elsewhere"
@@ -213,8 +213,27 @@ def _cli_run(tmp_path, monkeypatch, capsys, *overrides):
     cfg["grpo"].update(max_num_steps=2, val_at_start=False, val_at_end=False)
     (configs / "run.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.chdir(elsewhere)
+    return elsewhere
+
+
+def _cli_run(tmp_path, monkeypatch, capsys, *overrides):
+    """The CLI from another working folder, with the reward module next to the config."""
+    elsewhere = _user_folders(tmp_path, monkeypatch)
     code = cli.main(["train", "--config", "../configs/run.yaml", "--run-dir", "run", *overrides])
     return code, capsys.readouterr().err, elsewhere / "run"
+
+
+def test_the_python_api_finds_modules_next_to_the_config(tmp_path, monkeypatch):
+    """GRPOTrainer("configs/run.yaml") from another folder imports the reward module next to
+    the config, as the CLI does, and puts that folder on PYTHONPATH for Ray workers."""
+    from jgrpo import GRPOTrainer
+
+    _user_folders(tmp_path, monkeypatch)
+    configs = tmp_path / "configs"
+    trainer = GRPOTrainer(str(configs / "run.yaml"))
+    assert str(configs.resolve()) in os.environ["PYTHONPATH"].split(os.pathsep)
+    task = make_task(trainer.config.data, 0)  # imports the module in the reward process
+    task.close()
 
 
 def test_cli_shows_a_failing_rewards_traceback_once_and_counts_it(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pickle
 import textwrap
 import time
@@ -236,6 +237,11 @@ def test_error_messages_name_key_and_file(tmp_path):
         make_task(DataConfig(task="gsm8k", train_path=missing), 0)
     with pytest.raises(ConfigError, match=r"^data\.val_path: .*nope\.jsonl"):
         make_task(DataConfig(task="arithmetic", val_path=missing), 0)
+    with pytest.raises(ConfigError) as e:  # relative: read from the working folder, named
+        make_task(DataConfig(task="gsm8k", train_path="no/such.jsonl"), 0)
+    assert str(e.value) == (
+        f"data.train_path: 'no/such.jsonl' does not exist in the working folder {os.getcwd()!r}"
+    )
     with pytest.raises(ConfigError, match=r"^data\.train_path: task 'gsm8k' needs"):
         make_task(DataConfig(task="gsm8k"), 0)
     bad_field = _write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1", "answer": "2"}] * 3)

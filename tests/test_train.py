@@ -173,3 +173,10 @@ def test_run_config_is_replaced_atomically(tmp_path, monkeypatch):
     # a temporary left by a kill is a run's own file, not someone else's
     (tmp_path / "config.yaml.tmp").write_text("torn")
     assert run_folder_kind(tmp_path) == "run"
+
+
+def test_the_summary_of_a_run_without_validation_says_what_it_needs():
+    """A run with no held-out set (task prompts, train_path only) says which keys give one."""
+    line = train.summarize([])
+    assert line.startswith("no validation was run (") and "data.val_path" in line
+    assert "data.val_fraction" in line and "\n" not in line

@@ -186,7 +186,8 @@ class RolloutEngine:
                 )
                 raise ConfigError(
                     f"{what} but the tokenizer of model.path {cfg.model.path!r} has no chat "
-                    "template"
+                    "template: give string prompts or a model with one (builtin:tiny-qwen2-chat "
+                    "for the tiny model)"
                 )
         runner = task.tool_runner
         self.turn_settings = turns.TurnSettings.from_config(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -193,6 +194,9 @@ def load_table(spec: str, key: str, split: str = "train", config: Optional[str] 
         table = _load_file(path, key)
     elif hub.looks_like_repo_id(spec) and path.suffix.lower() not in _BUILDERS:
         table = _load_hub(spec, key, split, config)
+    elif not path.is_absolute():
+        where = os.getcwd()  # not the config's folder: name the one it was read from
+        raise ConfigError(f"{key}: {spec!r} does not exist in the working folder {where!r}")
     else:
         raise ConfigError(f"{key}: {spec!r} does not exist")
     if len(table) == 0:
