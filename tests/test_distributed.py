@@ -213,7 +213,7 @@ OVERRIDES = [
     "logging.tensorboard=false",
     "data.reward_functions=[{function: 'pod_rewards:length', weight: 0.5}]",
 ]
-COMPARED = ("loss", "loss/pg", "loss/total", "train/grad_norm", "reward/mean", "advantage/std")
+COMPARED = ("loss/pg", "loss/total", "train/grad_norm", "reward/mean", "advantage/std")
 PEER_TIMEOUT = 10
 
 
@@ -293,7 +293,7 @@ def reference(tmp_path_factory, jax_cache):
         rows = read_metrics(one)
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert all(r["train/grad_norm"] > 0.1 for r in rows)  # nothing compared is trivially 0
-        assert abs(rows[1]["loss"]) > 1e-3 and abs(rows[2]["loss"]) > 1e-3
+        assert abs(rows[1]["loss/total"]) > 1e-3 and abs(rows[2]["loss/total"]) > 1e-3
         return rows
 
     yield metrics

@@ -248,7 +248,7 @@ def test_tiny_lora_trains_adapters_alone_and_keeps_the_base(tmp_path):
     base_params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(base)))
     adapters_before = jax.tree.map(np.asarray, t.state.params)
     rows = run_steps(t, 5)
-    assert all(np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0 for r in rows)
+    assert all(np.isfinite(r["loss/total"]) and r["train/skipped_updates"] == 0 for r in rows)
     # the base: bit-identical before and after (and the very arrays of model.path)
     for a, b in zip(jax.tree.leaves(base_params), jax.tree.leaves(t.setup.frozen), strict=True):
         np.testing.assert_array_equal(np.asarray(b), a)
@@ -284,7 +284,7 @@ def test_lora_over_a_bfloat16_base_trains(tmp_path):
         base_before = jax.tree.map(np.asarray, t.setup.frozen)
         rows = run_steps(t, 2)
         for r in rows:
-            assert np.isfinite(r["loss"]) and r["train/skipped_updates"] == 0
+            assert np.isfinite(r["loss/total"]) and r["train/skipped_updates"] == 0
             assert np.isfinite(r["train/grad_norm"])
             assert 1.0 <= r["logprob/token_mult_prob_error"] < 1.001  # bf16 sampler vs trainer
         for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(t.setup.frozen), strict=True):

@@ -627,7 +627,7 @@ def test_run_trains_on_conversations(local_run):
     for r in local_run:
         assert r["turns/mean"] > 1 and r["turns/max"] == 2 and r["tools/calls"] > 0
         assert r["tools/errors"] == r["tools/calls"]  # every focused-model call is malformed
-        assert r["tokens/tool_fraction"] > 0.1 and np.isfinite(r["loss"])
+        assert r["tokens/tool_fraction"] > 0.1 and np.isfinite(r["loss/total"])
         assert round(r["logprob/token_mult_prob_error"], 4) == 1.0
         assert r["reward/environment/mean"] > 0
 
@@ -670,7 +670,7 @@ def test_lora_trains_on_conversations(tmp_path, focused, env_module):
     rows = run_calculator(tmp_path / "run", focused, env_module, "model.lora.rank=4")
     for r in rows:
         assert r["turns/mean"] > 1 and round(r["logprob/token_mult_prob_error"], 4) == 1.0
-        assert np.isfinite(r["loss"]) and r["train/grad_norm"] > 0
+        assert np.isfinite(r["loss/total"]) and r["train/grad_norm"] > 0
 
 
 @pytest.mark.heavy  # make test: test_tool_calls_run_and_their_replies_join_the_row (global rows)

@@ -241,7 +241,7 @@ def test_training_on_a_2x2x2_mesh_matches_one_device(tmp_path, monkeypatch):
         assert w["train/grad_norm"] > 1e-3  # nonzero advantages: not trivially equal
         for key in ("reward/judge/mean", "reward/short/mean", "reward/mean", "advantage/std"):
             assert m[key] == pytest.approx(w[key], abs=1e-5), key
-        assert m["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-6)
+        assert m["loss/total"] == pytest.approx(w["loss/total"], rel=1e-4, abs=1e-6)
         assert m["train/grad_norm"] == pytest.approx(w["train/grad_norm"], rel=1e-4)
 
 
