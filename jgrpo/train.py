@@ -53,6 +53,7 @@ from jgrpo.rollout import (
 from jgrpo.rollout.engine import batch_stats
 from jgrpo.rollout.exchange import exchange_rows
 from jgrpo.tasks import make_task
+from jgrpo.tasks.child import forget_reports
 
 log = logging.getLogger("jgrpo")
 
@@ -263,6 +264,7 @@ def run(
     The reference policy is the initial model of `cfg.model.path`, so a resumed run reloads it
     from there exactly; the checkpoint does not duplicate it. `train_dataset` / `eval_dataset`
     (list of dicts or datasets.Dataset) replace data.train_path / data.val_path."""
+    forget_reports()  # "once per run": a second run in this process reports its own failures
     with console_lines():
         if not distributed.is_primary() and log.getEffectiveLevel() == logging.INFO:
             log.setLevel(logging.WARNING)  # process 0 says what the pod does

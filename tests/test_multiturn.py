@@ -689,7 +689,7 @@ def test_two_process_pod_runs_the_same_conversations(tmp_path, focused):
         assert _wait(p) == [0] * n, _log(tmp_path, runs[n], 0)[-3000:]
     one, pod = read_metrics(runs[1]), read_metrics(runs[2])
     assert [r["step"] for r in pod] == [r["step"] for r in one] == [1, 2, 3]
-    keys = ("loss", "reward/mean", "turns/mean", "tools/calls", "tokens/tool_fraction")
+    keys = ("loss/total", "reward/mean", "turns/mean", "tools/calls", "tokens/tool_fraction")
     for a, b in zip(pod, one):
         assert b["turns/mean"] > 1
         for key in keys:

@@ -250,6 +250,10 @@ def test_cli_shows_a_failing_rewards_traceback_once_and_counts_it(tmp_path, monk
         assert r["reward/length/num_errors"] == 0
         assert r["reward/num_errors"] == 16
         assert math.isfinite(r["reward/length/mean"])
+    # a second run in this process (a notebook's, a test worker's) shows its own first failure
+    code = cli.main(["train", "--config", "../configs/run.yaml", "--run-dir", "run", "--fresh"])
+    err = capsys.readouterr().err
+    assert code == 0 and err.count(header) == 1, err
 
 
 @pytest.mark.heavy  # make test: the local backend's test above (the same reports)

@@ -118,6 +118,11 @@ _REPORTED: set[str] = set()
 """Names whose first failure this process has printed (once per run: one trainer process)."""
 
 
+def forget_reports() -> None:
+    """A new run shows each named code's first failure again (`train.run` calls it)."""
+    _REPORTED.clear()
+
+
 def report_failures(failures) -> None:
     """In the trainer process: print each named code's first failure to stderr, once per run
     (later ones are only counted); raise UserCodeError for a fatal one."""
