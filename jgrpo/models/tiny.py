@@ -237,10 +237,16 @@ def build_tiny_model(
     it the ChatML tokenizer with the tool-aware template (`builtin:tiny-qwen2-chat`). The same
     (seed, chat, overrides) give the same bytes. Raises FileExistsError if `out` exists.
     """
+    config = tiny_qwen2_config(chat=chat, **overrides)
+    return write_tiny_folder(out, config, tiny_qwen2_weights(config, seed), overwrite, chat)
+
+
+def write_tiny_folder(out, config: dict, weights: dict, overwrite: bool, chat: bool) -> Path:
+    """An HF folder at `out`: config.json, generation_config.json, model.safetensors and the
+    char tokenizer (`chat`: the ChatML one); written atomically (FileExistsError if `out`
+    exists and not `overwrite`)."""
     import safetensors.numpy
 
-    config = tiny_qwen2_config(chat=chat, **overrides)
-    weights = tiny_qwen2_weights(config, seed)
     with atomic_folder(out, overwrite=overwrite) as tmp:
         write_json(tmp / "config.json", config)
         write_json(
@@ -318,18 +324,5 @@ def tiny_qwen3_moe_weights(config: dict[str, Any], seed: int = 0) -> dict[str, n
 def build_tiny_moe_model(out: str | Path, seed: int = 0, *, overwrite: bool = False) -> Path:
     """Write `builtin:tiny-qwen3-moe` (config, weights, char tokenizer) to `out`; same seed,
     same bytes. Raises FileExistsError if `out` exists."""
-    import safetensors.numpy
-
     config = tiny_qwen3_moe_config()
-    weights = tiny_qwen3_moe_weights(config, seed)
-    with atomic_folder(out, overwrite=overwrite) as tmp:
-        write_json(tmp / "config.json", config)
-        write_json(
-            tmp / "generation_config.json",
-            {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-        )
-        safetensors.numpy.save_file(
-            weights, str(tmp / "model.safetensors"), metadata={"format": "pt"}
-        )
-        save_char_tokenizer(tmp, model_max_length=config["max_position_embeddings"])
-    return Path(out)
+    return write_tiny_folder(out, config, tiny_qwen3_moe_weights(config, seed), overwrite, False)
