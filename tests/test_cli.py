@@ -179,6 +179,17 @@ def test_overrides_may_follow_flags(capsys):
         assert "unrecognized arguments" in capsys.readouterr().err
 
 
+def test_a_reward_term_may_be_a_bare_module_function_string(tmp_path):
+    """YAML `reward_functions: [mod:fn]` is `[{function: mod:fn}]`; a number is still refused."""
+    from jgrpo.config import ConfigError, from_dict
+    from jgrpo.config.sections import DataConfig
+
+    short = from_dict(DataConfig, {"reward_functions": ["mod:fn", {"function": "m:g", "weight": 2}]})
+    assert [(r.function, r.weight) for r in short.reward_functions] == [("mod:fn", 1.0), ("m:g", 2)]
+    with pytest.raises(ConfigError, match=r"reward_functions\[0\]: expected a mapping"):
+        from_dict(DataConfig, {"reward_functions": [3]})
+
+
 def test_every_shipped_config_loads():
     from jgrpo.config import load_config
 

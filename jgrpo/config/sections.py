@@ -91,7 +91,12 @@ class ModelConfig:
 @dataclasses.dataclass(**_FROZEN)
 class RewardFunctionConfig:
     """One weighted reward term: a function (see `jgrpo.tasks.rewards` for the signature and
-    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`)."""
+    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`).
+
+    In YAML a bare string `module:function` is short for `{function: module:function}`."""
+
+    STRING_FORM: ClassVar[str] = "function"
+    """The field a bare string sets."""
 
     function: Union[str, Callable[..., Any], None] = None
     """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
