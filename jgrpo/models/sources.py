@@ -25,6 +25,12 @@ from pathlib import Path
 
 from jgrpo import hub
 from jgrpo.config import ConfigError
+from jgrpo.models.preflight import (
+    check_hf_folder,
+    check_reward_model_folder,
+    check_sequence_length,
+    read_hf_config,
+)
 from jgrpo.models.tiny import (
     TINY_VERSION,
     build_tiny_model,
@@ -56,7 +62,6 @@ def check_model_path(
     checked by :func:`jgrpo.models.preflight.check_hf_folder` (headers, shapes, tokenizer;
     `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings), and
     with `multi_turn` its chat template too (`jgrpo.rollout.conversation.check_turn_template`)."""
-    from jgrpo.models.preflight import check_hf_folder, check_sequence_length
 
     if spec == SMOLLM2:
         src = smollm2_gguf()
@@ -102,8 +107,6 @@ def check_reward_model_path(spec: str, key: str, max_length: int | None = None) 
     """Pre-flight of a reward model (`key` = data.reward_functions[i]): `spec` is an HF folder
     or a cached hub id holding a one-label sequence-classification model
     (:func:`jgrpo.models.preflight.check_reward_model_folder`); returns its folder."""
-    from jgrpo.models.preflight import check_reward_model_folder
-
     try:
         folder = _check_hf_folder(spec)
     except ConfigError as e:
@@ -127,6 +130,7 @@ def _check_hf_folder(spec: str) -> Path:
         raise ConfigError(f"model.path: {spec!r} is not a folder ({hint})")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model.path: {spec!r} has no config.json ({hint})")
+    read_hf_config(folder)  # the family first: an unsupported model_type is the news, not weights
     if not any(
         (folder / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json")
     ):
