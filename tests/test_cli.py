@@ -184,7 +184,9 @@ def test_a_reward_term_may_be_a_bare_module_function_string(tmp_path):
     from jgrpo.config import ConfigError, from_dict
     from jgrpo.config.sections import DataConfig
 
-    short = from_dict(DataConfig, {"reward_functions": ["mod:fn", {"function": "m:g", "weight": 2}]})
+    short = from_dict(
+        DataConfig, {"reward_functions": ["mod:fn", {"function": "m:g", "weight": 2}]}
+    )
     assert [(r.function, r.weight) for r in short.reward_functions] == [("mod:fn", 1.0), ("m:g", 2)]
     with pytest.raises(ConfigError, match=r"reward_functions\[0\]: expected a mapping"):
         from_dict(DataConfig, {"reward_functions": [3]})
