@@ -65,6 +65,7 @@ AT_LEAST_ZERO = (
     "optim.warmup_steps",
     "data.max_operand",
     "data.min_operand",
+    "model.attention_block_size",
 )
 """Integer keys that must be >= 0 (0 = off for the periods)."""
 AT_MOST = (

@@ -72,6 +72,8 @@ class ModelConfig:
     """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
     logprob_chunk_size: int = 128
     """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+    attention_block_size: int = 1024
+    """Rows longer than this use blockwise attention (memory linear in length; 0 = never)."""
     kernels: Literal["auto", "cpu", "portable"] = "auto"
     """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
     lora: LoRAConfig = LoRAConfig()

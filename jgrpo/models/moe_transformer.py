@@ -24,6 +24,7 @@ from flax import nnx
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
 from jgrpo.models import moe as moe_lib
+from jgrpo.models.blockwise import RowMask
 from jgrpo.models.kernels import resolve_kernels
 from jgrpo.models.transformer import (
     REMAT_POLICIES,
@@ -199,12 +200,9 @@ class MoETransformer(Transformer):
             positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=-1) - 1, 0)
             positions_below = t
         rope = rope_tables(rope_cfg, positions_bt, num_positions=positions_below)
-        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & mask_bt[:, None, :]
-        if segments is not None:
-            mask_bts &= segments[:, :, None] == segments[:, None, :]
-        return mask_bts, rope
+        return RowMask(mask_bt, segments), rope
 
-    def _run_layers(self, x_btd, mask_bts, rope, counted_bt, use_lora=True, expert_ids=None):
+    def _run_layers(self, x_btd, mask, rope, counted_bt, use_lora=True, expert_ids=None):
         """Every layer on x_btd -> (x_btd, per-layer (k, v) [l, b, t, k, h] each, MoEOutput or
         None). `counted_bt`: the tokens the router stats count."""
         cfg, spec = self.cfg, self.cfg.moe
@@ -219,7 +217,7 @@ class MoETransformer(Transformer):
                 p, m = cast_floats(p, cfg.jnp_dtype), cast_floats(m, cfg.jnp_dtype)
                 x_btd = self._constrain(x_btd)
                 q, k, v = _qkv(p, cfg, x_btd, rope)
-                attn_btnh = attention(q, k, v, mask_bts, cfg.kernels, causal=True)
+                attn_btnh = attention(q, k, v, mask, cfg)
                 x_btd, routing = _mlp(
                     p, m, cfg, x_btd, attn_btnh, sparse, path, ids, self.expert_parallel
                 )
@@ -256,13 +254,13 @@ class MoETransformer(Transformer):
         cfg = self.cfg
         b, t = input_ids_bt.shape
         if segments is None:
-            mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+            mask, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
             counted_bt = (
                 jnp.ones((b, t), jnp.bool_) if attention_mask_bt is None else attention_mask_bt
             )
         else:
             positions_bt, segments_bt = segments
-            mask_bts, rope = self._attention_inputs(
+            mask, rope = self._attention_inputs(
                 input_ids_bt, positions_bt, segments_bt > 0, t, segments_bt
             )
             counted_bt = segments_bt > 0
@@ -270,7 +268,7 @@ class MoETransformer(Transformer):
         hand_over = self.__dict__.get("_routing_hand_over")
         ids_in = None if hand_over is None else hand_over.get("expert_ids")
         x_btd, _, routed = self._run_layers(
-            self._constrain(x_btd), mask_bts, rope, counted_bt, use_lora, ids_in
+            self._constrain(x_btd), mask, rope, counted_bt, use_lora, ids_in
         )
         if hand_over is not None:
             hand_over["out"] = routed
@@ -321,13 +319,11 @@ class MoETransformer(Transformer):
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         path = resolve_kernels(cfg.kernels)
         t = input_ids_bt.shape[1]
-        mask_bts, rope = self._attention_inputs(
+        mask, rope = self._attention_inputs(
             input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
         )
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(dtype)
-        x_btd, (k_lbtkh, v_lbtkh), routed = self._run_layers(
-            x_btd, mask_bts, rope, attention_mask_bt
-        )
+        x_btd, (k_lbtkh, v_lbtkh), routed = self._run_layers(x_btd, mask, rope, attention_mask_bt)
         cache = KVCache(
             _kernels.cache_from_prefill(k_lbtkh, cache_len, dtype, path, values=False),
             _kernels.cache_from_prefill(v_lbtkh, cache_len, dtype, path, values=True),
