@@ -214,3 +214,22 @@ def test_lora_on_experts_exits_2_before_loading(tmp_path, capsys):
             assert code == 2 and len(err) == 1, err
             assert "gate_proj" in err[0] and "allowed: q_proj, k_proj, v_proj, o_proj" in err[0]
             assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.heavy  # Ray workers (test_ray's session cluster) + 2 x 2 steps per model
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-glm4-moe"])
+def test_moe_trains_on_ray_workers(tmp_path, length_reward, ray_cluster, name):
+    """rollout.backend=ray (sync, one worker: the MoE sampler runs in the worker on the weights
+    it pulls) trains both MoE built-ins and logs the local backend's numbers, step by step."""
+    from jgrpo import train
+
+    overrides = [*QUIET, f"model.path=builtin:{name}", "grpo.max_num_steps=2"]
+    train.run(load_config(TINY, overrides), tmp_path / "local")
+    ray_overrides = [*overrides, "rollout.backend=ray", "rollout.num_workers=1"]
+    train.run(load_config(TINY, ray_overrides), tmp_path / "ray")
+    local, ray = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert_trained(local, [1, 2])
+    for got, want in zip(ray, local, strict=True):
+        for key, value in want.items():
+            if not key.startswith(("perf/", "rollout/")) and not key.endswith("_s"):
+                assert got[key] == value, (want["step"], key, got[key], value)
