@@ -200,12 +200,13 @@ def test_moe_run_resumes_and_exports(tmp_path, monkeypatch, length_reward, case)
     assert not_timing(read_metrics(broken_dir)) == not_timing(full)
 
 
-def test_lora_on_experts_exits_2_before_loading(tmp_path, capsys):
+def test_lora_on_experts_exits_2_before_loading(tmp_path, capsys, monkeypatch):
     """model.lora naming MLP or expert modules on an MoE model: the CLI exits 2 with one line
     naming them and what is allowed, before any model is built or loaded (the default
     target list includes the MLP modules)."""
     from jgrpo.cli import main
 
+    monkeypatch.setenv("JGRPO_CACHE", str(tmp_path / "cache"))
     argv = ["train", "--config", TINY, "--run-dir", str(tmp_path / "run")]
     for path in ("builtin:tiny-glm4-moe", "builtin:tiny-qwen3-moe"):
         for targets in ([], ["model.lora.target_modules=[q_proj,gate_proj]"]):
@@ -213,7 +214,7 @@ def test_lora_on_experts_exits_2_before_loading(tmp_path, capsys):
             err = capsys.readouterr().err.strip().splitlines()
             assert code == 2 and len(err) == 1, err
             assert "gate_proj" in err[0] and "allowed: q_proj, k_proj, v_proj, o_proj" in err[0]
-            assert not (tmp_path / "run").exists()
+            assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.heavy  # Ray workers (test_ray's session cluster) + 2 x 2 steps per model
