@@ -301,6 +301,7 @@ def _check_model_and_data(cfg, data: bool = True) -> None:
     """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
     data first, so a bad data option is named before a model download of gigabytes."""
     from jgrpo.config.rules import needs_chat_turns
+    from jgrpo.models.preflight import check_lora_targets
     from jgrpo.models.sources import check_model_path
 
     if data:
@@ -308,7 +309,8 @@ def _check_model_and_data(cfg, data: bool = True) -> None:
 
         make_task(cfg.data, cfg.grpo.seed)
     length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
-    check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
+    hf = check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
+    check_lora_targets(hf, cfg.model.lora)
 
 
 def run_folder_kind(run_dir: Path) -> str:

@@ -38,6 +38,7 @@ from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger, read_metrics
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
+from jgrpo.models.preflight import check_lora_targets
 from jgrpo.models.reward_model import load_reward_models
 from jgrpo.models.sources import check_model_path
 from jgrpo.plots import plot_run
@@ -85,7 +86,8 @@ class Trainer:
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
     length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
-    check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
+    hf = check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
+    check_lora_targets(hf, cfg.model.lora)
     sharding.make_rules(cfg.mesh)
     step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:

@@ -63,7 +63,7 @@ class ModelConfig:
     """The policy model (and its reference copy)."""
 
     path: str = "builtin:tiny-qwen2"
-    """HF folder, hub id, `smollm2`, `builtin:tiny-qwen2` (or `-chat`), `builtin:tiny-qwen3-moe`."""
+    """HF folder, hub id, `smollm2` or `builtin:NAME` (tiny-qwen2(-chat), tiny-{qwen3,glm4}-moe)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
