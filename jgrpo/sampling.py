@@ -243,6 +243,7 @@ def _generate_padded(
             spec=spec,
             cache_len=cache_len,
             segments=_segments(n, spec.attention_chunk, p) or [(2, cache_len)],
+            widths=compact_widths(spec.decode_slots) if spec.compact else (spec.decode_slots,),
             path=path,
         )
     logits_uv, cache = model.prefill(
@@ -429,11 +430,6 @@ def generate(
     spec = make_decode_spec(model.cfg, params)
     if spec.decode_slots is not None and spec.decode_slots >= len(prompts):
         spec = dataclasses.replace(spec, decode_slots=None)  # every row at once: one batch
-    if spec.compact and spec.decode_slots is not None:
-        raise ValueError(
-            f"generate: compact_decode narrows the one-batch loop; decode_slots "
-            f"{spec.decode_slots} < {len(prompts)} rows keeps slots full instead: set one of them"
-        )
     unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
     ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(

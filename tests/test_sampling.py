@@ -23,6 +23,7 @@ from jgrpo.losses import token_logprobs as trainer_token_logprobs
 from jgrpo.models import from_pretrained, kernels
 from jgrpo.sampling import (
     SamplingParams,
+    cache_length,
     compact_widths,
     compile_count,
     generate,
@@ -714,8 +715,37 @@ def test_compact_decode_gives_the_same_tokens(pair, kernels_path, dtype, tempera
         text = generate_padded.lower(*args, np.arange(16, dtype=np.int32), spec=spec).as_text()
         cache_widths[flag] = set(re.findall(r"tensor<(\d+)x\d+x\d+x\d+x[bf]", text))
     assert {"8", "4"} <= cache_widths[True] - cache_widths[False], cache_widths
-    with pytest.raises(ValueError, match="compact_decode.*decode_slots 2 < 16 rows"):
-        generate(model, prompts, dataclasses.replace(compact, decode_slots=2), key)
+
+
+def test_decode_slots_tail_compaction_gives_the_same_tokens(pair):
+    """decode_slots 8 < 16 rows with compact_decode: once no row waits, the 8 slots narrow to
+    4, 2, 1 as their rows stop (gathered from the wider pool's cache). Draws are keyed by row,
+    so the tokens and the decode steps are those of the slot loop without it, and of one batch
+    of every row; the lowered program holds the narrower slot caches."""
+    model = with_kernels(pair[1], "cpu")
+    cfg = model.cfg
+    prompts, group = grouped_prompts(4, 4, seed=6), 4  # 16 rows
+    key = jax.random.key(8)
+    ref = generate(model, prompts, SLOT_PARAMS, key, first_row=6)  # every row in one batch
+    slots = dataclasses.replace(SLOT_PARAMS, decode_slots=8)
+    full = generate(model, prompts, slots, key, first_row=6, group_size=group)
+    tail = dataclasses.replace(slots, compact_decode=True)
+    out = generate(model, prompts, tail, key, first_row=6, group_size=group)
+    for name in ("tokens", "lengths", "truncated", "prompt_tokens", "prompt_lengths"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), name)
+    assert out.num_decode_steps == full.num_decode_steps
+    for name in ("logprobs", "filtered_logprobs"):  # as test_compact_decode_gives_the_same_tokens
+        np.testing.assert_allclose(getattr(out, name), getattr(full, name), atol=1e-5)
+    cache_widths = {}
+    for params in (slots, tail):
+        spec = make_decode_spec(model.cfg, params)
+        ids_up, lengths_u = pad_prompts(prompts[::group], params.prompt_bucket, spec.pad_id)
+        args = (model, ids_up, lengths_u, key, np.float32(1.0), np.float32(0.9))
+        text = generate_padded.lower(*args, np.arange(16, dtype=np.int32), spec=spec).as_text()
+        keys = rf"tensor<(\d+)x{cfg.num_kv_heads}x{cfg.head_dim}x{cache_length(16, 20)}xf32>"
+        cache_widths[params.compact_decode] = set(re.findall(keys, text))  # cpu keys [w, k, h, s]
+    # 8 slots, 4 (a group's rows entering at once; the first narrowing), 1 (the staged prompt)
+    assert cache_widths[True] - cache_widths[False] == {"2"}, cache_widths
 
 
 def test_decode_slots_compile_once_per_shape(pair):
