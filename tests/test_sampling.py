@@ -438,8 +438,7 @@ def test_from_rollout_config():
         top_k=50,
         max_new_tokens=77,
         prompt_bucket=16,
-        compact_decode=True,
-    )
+    )  # compact_decode: the config's default (true), not SamplingParams' (false)
     sp = SamplingParams.from_rollout_config(rc, stop_token_ids=(7,))
     assert (
         sp.temperature,
@@ -608,6 +607,23 @@ def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, tempera
     np.testing.assert_array_equal(shared.filtered_logprobs, rows.filtered_logprobs)
     if temperature > 0:  # the rows of one prompt drew different completions
         assert (shared.tokens[0::group] != shared.tokens[1::group]).any()
+
+
+def test_default_sampler_logprobs_match_trainer_forward(pair):
+    """The run's default sampler (rollout.shared_prefill and rollout.compact_decode on), float32:
+    neither is bit-exact against per-row prefill at the full width (a few ulps), so the bound that
+    matters is the trainer's: its forward reproduces the generation logprobs to
+    token_mult_prob_error <= 1.001, as for the plain sampler above."""
+    model = with_kernels(pair[1], "cpu")
+    prompts, group = grouped_prompts(4, 4, seed=6), 4
+    params = dataclasses.replace(SLOT_PARAMS, compact_decode=True)  # rows stop: it narrows
+    gen = generate(model, prompts, params, jax.random.key(8), group_size=group)
+    assert gen.lengths.min() <= 2 and gen.truncated.any(), gen.lengths
+    logits_bnv, mask = trainer_logits(model, gen)
+    lo = token_logprobs(logits_bnv / params.temperature, gen.tokens)
+    err = token_mult_prob_error(gen.logprobs, lo, mask)
+    assert err <= 1.001, err
+    np.testing.assert_allclose(gen.logprobs[mask], lo[mask], atol=1e-4)
 
 
 def test_shared_prefill_prefills_each_prompt_once(pair, monkeypatch):
