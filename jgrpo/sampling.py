@@ -164,9 +164,13 @@ def cache_length(prompt_width: int, max_new_tokens: int) -> int:
 def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingParams) -> int:
     """Bytes of the KV cache of one `generate` call over `rows` rows: keys and values of every
     layer for min(rows, params.decode_slots) rows x `cache_length` slots, in the compute dtype
-    (the staged prompt of the decode-slot loop adds one row)."""
+    (the staged prompt of the decode-slot loop adds one row; under compact_decode the first
+    narrowing gathers half of them into a new cache while the wider one is still live)."""
     slots = params.decode_slots
-    held = rows if slots is None or slots >= rows else slots + 1
+    pool = rows if slots is None or slots >= rows else slots
+    held = pool if pool == rows else pool + 1
+    if params.compact_decode and pool > 1:
+        held += compact_widths(pool)[1]
     per_row = cache_length(prompt_width, params.max_new_tokens) * 2 * model_cfg.num_layers
     per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * model_cfg.jnp_dtype.itemsize
     return held * per_row
