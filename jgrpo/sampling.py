@@ -11,8 +11,9 @@ cache column P + i and position prompt_len_b + i, the positions the trainer's fo
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
 neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
-on `compact_decode` (the one-batch loop narrows to its running rows). One executable per
-(B, U, P, S, DecodeSpec), shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
+on `compact_decode` (the one-batch loop, or the slot loop's tail, narrows to its running
+rows). One executable per (B, U, P, S, DecodeSpec), shardings; kernels follow
+`model.cfg.kernels`. docs/sampler.md."""
 
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ class SamplingParams:
     """Rows decoded at once (static): a stopped row's slot takes the next waiting row, so the
     KV cache holds this many rows; None (or >= the rows) = every row at once."""
     compact_decode: bool = False
-    """Every row at once, narrowing the batch as rows stop (static): once no more than half,
-    a quarter, an eighth of the rows still run, they go on as a batch of that width (same
-    tokens); not with decode_slots < the rows (that loop keeps its slots full instead)."""
+    """Narrow the decode batch as rows stop (static): once no more than half, a quarter, an
+    eighth of the rows still run, they go on as a batch of that width (same tokens); with
+    decode_slots < the rows, the slots narrow so once no row waits (the tail). False here, for
+    direct calls; a run's rollout.compact_decode defaults to true."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -114,7 +116,7 @@ class DecodeSpec:
     decode_slots: Optional[int] = None
     """Slots of the continuous-batching loop (< the rows); None = every row in one batch."""
     compact: bool = False
-    """The one-batch loop narrows as rows stop (`compact_widths`)."""
+    """The one-batch loop, or the slot loop's tail, narrows as rows stop (`compact_widths`)."""
 
 
 @dataclasses.dataclass(frozen=True)
