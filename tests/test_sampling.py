@@ -733,17 +733,24 @@ def test_compact_decode_gives_the_same_tokens(pair, kernels_path, dtype, tempera
     assert {"8", "4"} <= cache_widths[True] - cache_widths[False], cache_widths
 
 
-def test_decode_slots_tail_compaction_gives_the_same_tokens(pair):
+TAIL_CASES = path_dtype_temperature_cases({("cpu", "float32", 1.0)})
+"""make test: the cpu float32 sampled case (with the lowered program's cache widths)."""
+
+
+@pytest.mark.parametrize("kernels_path,dtype,temperature", TAIL_CASES)
+def test_decode_slots_tail_compaction_gives_the_same_tokens(pair, kernels_path, dtype, temperature):
     """decode_slots 8 < 16 rows with compact_decode: once no row waits, the 8 slots narrow to
     4, 2, 1 as their rows stop (gathered from the wider pool's cache). Draws are keyed by row,
     so the tokens and the decode steps are those of the slot loop without it, and of one batch
     of every row; the lowered program holds the narrower slot caches."""
-    model = with_kernels(pair[1], "cpu")
+    model = with_kernels(pair[1], kernels_path)
+    model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
     cfg = model.cfg
     prompts, group = grouped_prompts(4, 4, seed=6), 4  # 16 rows
     key = jax.random.key(8)
-    ref = generate(model, prompts, SLOT_PARAMS, key, first_row=6)  # every row in one batch
-    slots = dataclasses.replace(SLOT_PARAMS, decode_slots=8)
+    params = dataclasses.replace(SLOT_PARAMS, temperature=temperature)
+    ref = generate(model, prompts, params, key, first_row=6)  # every row in one batch
+    slots = dataclasses.replace(params, decode_slots=8)
     full = generate(model, prompts, slots, key, first_row=6, group_size=group)
     tail = dataclasses.replace(slots, compact_decode=True)
     out = generate(model, prompts, tail, key, first_row=6, group_size=group)
@@ -752,6 +759,8 @@ def test_decode_slots_tail_compaction_gives_the_same_tokens(pair):
     assert out.num_decode_steps == full.num_decode_steps
     for name in ("logprobs", "filtered_logprobs"):  # as test_compact_decode_gives_the_same_tokens
         np.testing.assert_allclose(getattr(out, name), getattr(full, name), atol=1e-5)
+    if (kernels_path, dtype) != ("cpu", "float32"):
+        return  # the cache layout matched below is the cpu path's, in float32
     cache_widths = {}
     for params in (slots, tail):
         spec = make_decode_spec(model.cfg, params)
