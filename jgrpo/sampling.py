@@ -11,8 +11,9 @@ cache column P + i and position prompt_len_b + i, the positions the trainer's fo
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
 neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
-on `compact_decode` (the one-batch loop narrows to its running rows). One executable per
-(B, U, P, S, DecodeSpec), shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
+on `compact_decode` (the one-batch loop, or the slot loop's tail, narrows to its running
+rows). One executable per (B, U, P, S, DecodeSpec), shardings; kernels follow
+`model.cfg.kernels`. docs/sampler.md."""
 
 from __future__ import annotations
 
@@ -63,9 +64,10 @@ class SamplingParams:
     """Rows decoded at once (static): a stopped row's slot takes the next waiting row, so the
     KV cache holds this many rows; None (or >= the rows) = every row at once."""
     compact_decode: bool = False
-    """Every row at once, narrowing the batch as rows stop (static): once no more than half,
-    a quarter, an eighth of the rows still run, they go on as a batch of that width (same
-    tokens); not with decode_slots < the rows (that loop keeps its slots full instead)."""
+    """Narrow the decode batch as rows stop (static): once no more than half, a quarter, an
+    eighth of the rows still run, they go on as a batch of that width (same tokens); with
+    decode_slots < the rows, the slots narrow so once no row waits (the tail). False here, for
+    direct calls; a run's rollout.compact_decode defaults to true."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -114,7 +116,7 @@ class DecodeSpec:
     decode_slots: Optional[int] = None
     """Slots of the continuous-batching loop (< the rows); None = every row in one batch."""
     compact: bool = False
-    """The one-batch loop narrows as rows stop (`compact_widths`)."""
+    """The one-batch loop, or the slot loop's tail, narrows as rows stop (`compact_widths`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +166,13 @@ def cache_length(prompt_width: int, max_new_tokens: int) -> int:
 def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingParams) -> int:
     """Bytes of the KV cache of one `generate` call over `rows` rows: keys and values of every
     layer for min(rows, params.decode_slots) rows x `cache_length` slots, in the compute dtype
-    (the staged prompt of the decode-slot loop adds one row)."""
+    (the staged prompt of the decode-slot loop adds one row; under compact_decode the first
+    narrowing gathers half of them into a new cache while the wider one is still live)."""
     slots = params.decode_slots
-    held = rows if slots is None or slots >= rows else slots + 1
+    pool = rows if slots is None or slots >= rows else slots
+    held = pool if pool == rows else pool + 1
+    if params.compact_decode and pool > 1:
+        held += compact_widths(pool)[1]
     per_row = cache_length(prompt_width, params.max_new_tokens) * 2 * model_cfg.num_layers
     per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * model_cfg.jnp_dtype.itemsize
     return held * per_row
@@ -243,6 +249,7 @@ def _generate_padded(
             spec=spec,
             cache_len=cache_len,
             segments=_segments(n, spec.attention_chunk, p) or [(2, cache_len)],
+            widths=compact_widths(spec.decode_slots) if spec.compact else (spec.decode_slots,),
             path=path,
         )
     logits_uv, cache = model.prefill(
@@ -429,11 +436,6 @@ def generate(
     spec = make_decode_spec(model.cfg, params)
     if spec.decode_slots is not None and spec.decode_slots >= len(prompts):
         spec = dataclasses.replace(spec, decode_slots=None)  # every row at once: one batch
-    if spec.compact and spec.decode_slots is not None:
-        raise ValueError(
-            f"generate: compact_decode narrows the one-batch loop; decode_slots "
-            f"{spec.decode_slots} < {len(prompts)} rows keeps slots full instead: set one of them"
-        )
     unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
     ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(

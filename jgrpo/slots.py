@@ -3,8 +3,10 @@
 Owns `decode_in_slots`, traced inside `jgrpo.sampling.generate_padded` (which owns the contract:
 row keys, cache columns, positions). A stopped row's slot takes the next waiting row, its
 prompt prefilled into the slot (once per group of identical prompts, staged until the group's
-last row is in); the whole schedule is nested `while_loop`s in the one program. docs/sampler.md
-("Decode slots") explains the schedule, its memory and its cost."""
+last row is in); once no row waits, the tail compacts under `compact_decode` (the slots narrow
+to a half, a quarter, an eighth as their rows stop); the whole schedule is nested
+`while_loop`s in the one program. docs/sampler.md ("Decode slots") explains the schedule, its
+memory and its cost."""
 
 from __future__ import annotations
 
@@ -29,11 +31,14 @@ def decode_in_slots(
     spec,
     cache_len,
     segments,
+    widths,
     path,
 ):
     """The slot loop of `jgrpo.sampling.generate_padded` (spec.decode_slots S < the B rows):
     its arguments, less the prompt positions it computes per entering prompt, plus `segments`:
-    (end, attend_len) per decode segment, in order (the last one attends the whole cache)."""
+    (end, attend_len) per decode segment, in order (the last one attends the whole cache), and
+    `widths`: the slot counts of the tail, S first (`sampling.compact_widths(S)` under
+    spec.compact, else (S,))."""
     u, p = prompt_ids_up.shape
     b = row_ids_b.shape[0]
     group = b // u
@@ -146,27 +151,53 @@ def decode_in_slots(
         slots = (row_s, emitted_s + 1, token_s, active_s & ~ended_s, plen_s)
         return t + 1, (next_row, staged, slots, cache, out)
 
-    def decode(loop):
-        """Fill the free slots, then decode until a slot frees up while rows wait. A segment
-        [start, end) runs while every active slot has emitted fewer than `end` tokens, so it
-        attends only the cache columns written by then (its rows' ages, not the step count:
-        a young pool after a refill reads a short cache); the last segment runs to the end."""
-        loop = (loop[0], fill(loop[1]))
+    def run_segments(loop, narrower):
+        """Decode until a slot frees up while rows wait, or (no row waiting) until no more
+        slots than `narrower` still run (0: none). A segment [start, end) runs while every
+        active slot has emitted fewer than `end` tokens, so it attends only the cache columns
+        written by then (its rows' ages, not the step count: a young pool after a refill reads
+        a short cache); the last segment runs to the end."""
         for k, (end, attend_len) in enumerate(segments):
             last = k == len(segments) - 1
 
             def cond(loop, end=end, last=last):
                 _, (next_row, _, (_, emitted_s, _, active_s, _), _, _) = loop
                 go = jnp.any(active_s) & ((next_row >= b) | jnp.all(active_s))
+                if narrower:
+                    go = go & ((next_row < b) | (jnp.sum(active_s) > narrower))
                 oldest = jnp.max(jnp.where(active_s, emitted_s, 0))
                 return go if last else go & (oldest < end)
 
             loop = jax.lax.while_loop(cond, functools.partial(step, attend_len=attend_len), loop)
         return loop
 
+    def narrow(state, width):
+        """The slots narrowed to `width`: the active ones (no more than `width`: the tail
+        narrows only then), in slot order, their cache rows gathered, then idle fillers."""
+        next_row, staged, slots, cache, out = state
+        row_s, emitted_s, token_s, active_s, plen_s = slots
+        wide = active_s.shape[0]
+        at_k = jnp.nonzero(active_s, size=width, fill_value=wide)[0]
+        live_k = at_k < wide
+        keep = lambda x: x[jnp.minimum(at_k, wide - 1)]
+        slots = (
+            jnp.where(live_k, keep(row_s), b),
+            keep(emitted_s),
+            keep(token_s),
+            live_k,
+            keep(plen_s),
+        )
+        return next_row, staged, slots, jax.tree.map(keep, cache), out
+
+    first_narrower = widths[1] if len(widths) > 1 else 0
+    decode = lambda loop: run_segments((loop[0], fill(loop[1])), first_narrower)
     state = (jnp.asarray(0, jnp.int32), staged, slots, cache, out)
-    busy = lambda loop: (loop[1][0] < b) | jnp.any(loop[1][2][3])
+    # refills, until no row waits and no more slots than the tail's next width still run
+    busy = lambda loop: (loop[1][0] < b) | (jnp.sum(loop[1][2][3]) > first_narrower)
     t, state = jax.lax.while_loop(busy, decode, (jnp.asarray(1, jnp.int32), state))
+    for level, width in enumerate(widths[1:], start=1):  # the tail (compact_decode)
+        narrower = widths[level + 1] if level + 1 < len(widths) else 0
+        t, state = run_segments((t, narrow(state, width)), narrower)
     tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = state[4]
     return dict(
         tokens=tokens_bn,

@@ -170,7 +170,7 @@ def test_packing_config_keys_are_checked():
     cfg = load_config(None, ["grpo.sequence_packing=true", "grpo.packing_budget=300"])
     assert cfg.grpo.packing_budget == 300
     with pytest.raises(ConfigError, match="grpo.packing_budget: set, but grpo.sequence_packing"):
-        load_config(None, ["grpo.packing_budget=300"])
+        load_config(None, ["grpo.sequence_packing=false", "grpo.packing_budget=300"])
     with pytest.raises(ConfigError, match=r"grpo.packing_budget: must lie in \[.* = 288"):
         load_config(None, ["grpo.sequence_packing=true", "grpo.packing_budget=100"])
 
@@ -471,7 +471,7 @@ def test_a_packed_run_logs_the_unpacked_runs_metrics(tmp_path, monkeypatch):
     ]
     rows = {}
     for packed in (False, True):
-        extra = ["grpo.sequence_packing=true", "grpo.packing_budget=48"] if packed else []
+        extra = ["grpo.packing_budget=48"] if packed else ["grpo.sequence_packing=false"]
         cfg = load_config(tiny, [*quiet, "grpo.max_num_steps=2", *extra])
         train.run(cfg, tmp_path / f"packed_{packed}")
         rows[packed] = read_metrics(tmp_path / f"packed_{packed}")

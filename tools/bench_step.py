@@ -59,6 +59,7 @@ def time_variant(overrides, rows, seq, repeats):
         [
             f"grpo.num_prompts_per_step={rows // 8}",
             "grpo.num_generations_per_prompt=8",
+            "grpo.sequence_packing=false",  # the padded step on full rows: nothing would pack
             "mesh.data=1",
         ]
         + overrides,
@@ -99,6 +100,7 @@ def measure_lora_vs_full(model_path, rank, rows, seq, repeats):
                 f"grpo.num_prompts_per_step={rows // 8}",
                 "grpo.num_generations_per_prompt=8",
                 "loss.reference_policy_kl_penalty=0.05",
+                "grpo.sequence_packing=false",  # the padded step on full rows
                 "mesh.data=1",
                 *extra,
             ],

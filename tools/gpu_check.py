@@ -201,7 +201,7 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
         model_cfg = policy_config(cfg.model)
     mesh = sharding.make_mesh(cfg.mesh, [device])
     built = step_setup.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
-    batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
+    batch = built.device_batch(random_batch(cfg, model_cfg.vocab_size))  # packed by default
     state, times = built.state, []
     args = (built.hparams, built.ref_params, built.frozen)  # frozen: a LoRA recipe's base
     for _ in range(steps + 1):  # the first call compiles
@@ -268,7 +268,7 @@ def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:
         cfg = run_config(sizes, overrides)
         mesh = sharding.make_mesh(cfg.mesh, devices)
         built = step_setup.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
-        batch = host.shard(mesh)
+        batch = built.device_batch(host)  # packed by default
         state = built.state
         start = time.perf_counter()
         state, metrics = built.step_fn(state, batch, built.hparams, built.ref_params)

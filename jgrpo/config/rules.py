@@ -379,11 +379,6 @@ def check_rollout(cfg: Config) -> None:
         ro.decode_slots is None or ro.decode_slots >= 1,
         f"rollout.decode_slots: must be >= 1 (or null = every row), got {ro.decode_slots}",
     )
-    _require(
-        not (ro.compact_decode and ro.decode_slots is not None),
-        "rollout.compact_decode: narrows the every-row batch; with rollout.decode_slots the slots "
-        "stay full instead: set one of them",
-    )
     if ro.max_staleness > 0:
         _require(
             cfg.loss.use_importance_sampling_correction,
