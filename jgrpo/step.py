@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +68,12 @@ class StepFlags:
     `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
+    objective: Literal["grpo", "sft"] = "grpo"
+    """The loss: grpo (`losses.policy_loss` on the advantages) or sft (`losses.sft_loss`, the
+    mean NLL of the token_mask tokens; no advantages, no frozen forwards: `jgrpo.sft`)."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> StepFlags:
+    def from_config(cls, cfg: Config, objective: Literal["grpo", "sft"] = "grpo") -> StepFlags:
         return cls(
             compute_prev_logprobs=not cfg.skip_prev,
             compute_ref_logprobs=not cfg.skip_ref,
@@ -86,6 +89,7 @@ class StepFlags:
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
             sequence_packing=cfg.grpo.sequence_packing,
+            objective=objective,
         )
 
 
@@ -353,6 +357,18 @@ def prepare_batch(
             f"{type(batch).__name__}"
         )
     batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
+    if flags.objective == "sft":  # teacher forcing: no frozen forward, no advantages
+        zeros_bt = jnp.zeros_like(batch.token_mask)
+        data = ScoredBatch(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_mask=batch.token_mask,
+            generation_logprobs=zeros_bt,
+            sample_mask=batch.sample_mask,
+            advantages=zeros_bt,
+            layout=layout,
+        )
+        return data, {}
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     forward = functools.partial(
@@ -428,6 +444,12 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     policy_logprobs = functools.partial(
         policy_logprobs_routed, graphdef, temperature=hparams.temperature
     )
+
+    def objective(lp_bt, inputs):
+        if flags.objective == "sft":
+            return losses.sft_loss(lp_bt, inputs["token_mask"], inputs["sample_mask"], n_tok)
+        return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
+
     router_losses = functools.partial(
         losses.add_router_losses,
         aux_coef=hparams.router_aux_loss_coef,
@@ -441,8 +463,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
             lp_bt, routed, spec = policy_logprobs(
                 full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
             )
-        loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
-        return router_losses(*loss, routed, spec)
+        return router_losses(*objective(lp_bt, mb.loss_inputs()), routed, spec)
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -460,9 +481,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         tm_bt = data.token_mask * in_b[:, None]
         lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        return router_losses(
-            *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
-        )
+        return router_losses(*objective(lp_bt, inputs), routed, spec)
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
     return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)
