@@ -66,6 +66,10 @@ def sft_cfg(folder, *overrides):
     )
 
 
+T_CHAT = 192
+"""Row length of the conversations (the char tokenizer spends a token per byte)."""
+
+
 def encoded(cfg, records):
     tokenizer = load_tokenizer(cfg.model.path)
     enc = Encoder(tokenizer, cfg)
@@ -76,7 +80,7 @@ def sft_step(cfg, examples, pad_id):
     """(metrics, params after) of one SFT step from the model's own weights."""
     model = load_policy(cfg.model, seed=0)
     built = build_step(step_config(cfg), model, objective="sft")
-    batch = make_batch(examples, cfg.sft.batch_size, T, pad_id)
+    batch = make_batch(examples, cfg.sft.batch_size, cfg.sft.max_seq_length, pad_id)
     state, metrics = built.step_fn(
         built.state, built.device_batch(batch), built.hparams, None, built.frozen
     )
@@ -126,7 +130,7 @@ def test_loss_and_gradient_equal_transformers_float64(folders):
 
 
 def test_conversation_loss_counts_assistant_tokens_only(folders):
-    cfg = sft_cfg(folders["chat"])
+    cfg = sft_cfg(folders["chat"], f"sft.max_seq_length={T_CHAT}")
     convs = [{"messages": CONVERSATION[i % 2 :]} for i in range(8)]  # with and without system
     examples, tokenizer = encoded(cfg, convs)
     chat = ChatFormat(tokenizer, [tokenizer.eos_token_id])
@@ -259,7 +263,9 @@ def run_cli(*args, cwd):
     ],
 )
 def test_bad_sft_config_exits_2(tmp_path, override, message):
-    out = run_cli("sft", "--config", TINY, "--run-dir", str(tmp_path / "run"), override, cwd=tmp_path)
+    out = run_cli(
+        "sft", "--config", TINY, "--run-dir", str(tmp_path / "run"), override, cwd=tmp_path
+    )
     assert out.returncode == 2, out.stderr
     assert message in out.stderr
     assert not (tmp_path / "run").exists()
@@ -313,16 +319,32 @@ def test_cli_sft_resume_repeats_the_run_and_exports(folders, tmp_path):
         "model.lora.rank=4",
         "logging.tensorboard=false",
     ]
-    straight = run_cli("sft", "--config", TINY, "--run-dir", "a", *common, "sft.max_num_steps=4", cwd=tmp_path)
+    straight = run_cli(
+        "sft", "--config", TINY, "--run-dir", "a", *common, "sft.max_num_steps=4", cwd=tmp_path
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = run_cli("sft", "--config", TINY, "--run-dir", "b", *common, "sft.max_num_steps=2", cwd=tmp_path)
+    first = run_cli(
+        "sft", "--config", TINY, "--run-dir", "b", *common, "sft.max_num_steps=2", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = run_cli(
-        "sft", "--config", TINY, "--run-dir", "b", "--resume", *common, "sft.max_num_steps=4", cwd=tmp_path
+        "sft",
+        "--config",
+        TINY,
+        "--run-dir",
+        "b",
+        "--resume",
+        *common,
+        "sft.max_num_steps=4",
+        cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    read = lambda run: [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["loss/total"] for x in read("a")] == pytest.approx([x["loss/total"] for x in read("b")], rel=1e-6)
+    read = lambda run: [
+        json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [x["loss/total"] for x in read("a")] == pytest.approx(
+        [x["loss/total"] for x in read("b")], rel=1e-6
+    )
     export = run_cli("export", "b", "exported", cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     for name in ("a/final", "exported"):
