@@ -58,6 +58,8 @@ class StepFlags:
     clip_grad_norm: bool = True
     schedule: str = "constant"
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """optim.min_lr_ratio (a compile-time constant of the schedule, like warmup_steps)."""
     total_updates: int = 1
     lora: bool = False
     """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
@@ -85,6 +87,7 @@ class StepFlags:
             clip_grad_norm=cfg.optim.max_grad_norm is not None,
             schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
             total_updates=total_updates(cfg),
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
@@ -530,7 +533,9 @@ def optimizer_update(
         grad_shardings=grad_shardings,
     )
     grad_norm = optax.tree.norm(grads)
-    schedule = make_schedule(flags.schedule, flags.warmup_steps, flags.total_updates)
+    schedule = make_schedule(
+        flags.schedule, flags.warmup_steps, flags.total_updates, flags.min_lr_ratio
+    )
     opt_state = set_hyperparams(state.opt_state, hparams.optimizer)
     updates, opt_state = tx.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -177,6 +177,7 @@ def sft_config(settings: Settings, cfg, base: Path, records: Path, length: int) 
         "optim": {
             "learning_rate": s.learning_rate,
             "schedule": "cosine",
+            "min_lr_ratio": 0.1,
             "warmup_steps": s.warmup_steps,
             "weight_decay": s.weight_decay,
             "max_grad_norm": 1.0,

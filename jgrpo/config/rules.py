@@ -411,6 +411,10 @@ def check_optim(opt: OptimConfig) -> None:
     _require(opt.eps > 0, "optim.eps: must be > 0")
     _require(opt.weight_decay >= 0, "optim.weight_decay: must be >= 0")
     _require(
+        0 <= opt.min_lr_ratio <= 1,
+        f"optim.min_lr_ratio: must lie in [0, 1], got {opt.min_lr_ratio}",
+    )
+    _require(
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",
     )

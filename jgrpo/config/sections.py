@@ -399,6 +399,8 @@ class OptimConfig:
     """Decay after warmup, over grpo.max_num_steps * grpo.num_minibatches updates."""
     warmup_steps: int = 0
     """Linear warmup updates."""
+    min_lr_ratio: float = 0.0
+    """Where linear and cosine decay end: this fraction of the peak learning rate (0 = 0)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     b1: float = 0.9
