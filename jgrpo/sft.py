@@ -1,25 +1,16 @@
 """run(config): supervised fine-tuning, top to bottom (`jgrpo sft`, `jgrpo.SFTTrainer`).
 
-The SFT step IS the GRPO train step (`jgrpo.step`, built by `step_setup.build_step`) with
-`StepFlags.objective = "sft"`: one jitted function whose loss is `losses.sft_loss`, the mean
-negative log-likelihood of the target (assistant) tokens over the whole batch, with no frozen
-forward and no advantages in its program. Everything else is the GRPO run's machinery: the mesh
-and parameter shardings, LoRA (the adapters train, the base is `frozen`), bf16, microbatches,
-sequence packing (`jgrpo.packing`), the optimizer and its schedule, Orbax checkpoints and
-`--resume`, RUN_DIR/final/ (`train.save_policy`) and therefore `jgrpo export` and `jgrpo eval`.
-
-`step_config(cfg)` is the bridge: the GRPO config the step is built from, its batch, length and
-packing keys taken from `sft.*` (B = sft.batch_size rows of T = sft.max_seq_length tokens, one
-minibatch, every column after the first may be scored, temperature 1, no KL, no prev forward).
-RUN_DIR/config.yaml holds the config as given (what export, eval and --resume read).
-
-Per step s: the next sft.batch_size encoded examples (`jgrpo.sft_data`; on a pod each process
-feeds its slice of them) -> one step -> log -> validate every sft.val_period (`val/loss`, the
-same token-mean NLL over the validation examples; greedy `val/accuracy` etc. of data's
-held-out set for a task with a verifier, as `jgrpo train` validates) -> checkpoint every
-checkpoint.save_period. A checkpoint's meta holds the data order's state, so a resumed run
-trains on exactly the batches the uninterrupted one would have.
-"""
+The SFT step IS the GRPO train step (`step_setup.build_step`) with `StepFlags.objective =
+"sft"`: one jitted function whose loss is `losses.sft_loss` (the token-mean NLL of the target
+tokens over the step's batch; no frozen forward, no advantages). The rest is the GRPO run's
+machinery: mesh, LoRA, bf16, microbatches, packing, optimizer, checkpoints, `--resume`,
+RUN_DIR/final/ (`train.save_policy`), hence `jgrpo export` / `jgrpo eval`. `step_config(cfg)`
+is the bridge: the GRPO config the step is built from, with B = sft.batch_size rows of T =
+sft.max_seq_length tokens, one minibatch, temperature 1, no KL; config.yaml holds cfg as given.
+Per step: the next batch of encoded examples (`jgrpo.sft_data`; a pod process feeds its slice)
+-> the step -> log -> validate every sft.val_period (`val/loss`; greedy `val/accuracy` of data's
+held-out set for a task with a verifier) -> checkpoint (meta: the data order's state, so a
+resumed run trains on the batches the uninterrupted one would have)."""
 
 from __future__ import annotations
 

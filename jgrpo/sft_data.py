@@ -1,32 +1,16 @@
 """SFT data: records (or a task's reference answers) -> token rows with their target mask.
 
-Sources (`make_sources`): sft.train_path / sft.val_path (or the API's train_dataset /
-eval_dataset) read by `jgrpo.tasks.data.load_table` like GRPO data (a file, a save_to_disk
-folder, a hub dataset id); with sft.train_path unset, the data task's own examples and their
-reference answers (the training stream and the held-out set `jgrpo train` uses).
-
-A record is one of (TRL's dataset forms):
-- conversational: `messages`, a list of role/content dicts (system, user, assistant, tool;
-  assistant tool calls as the template writes them);
-- prompt/completion: `prompt` and `completion`, each a string or a list of messages.
-
-Rendering (`Encoder`) is the rollout's: a conversation is laid out by
-`jgrpo.rollout.conversation.ChatFormat.encode` (the prompt with the generation prompt, each
-assistant turn through its end-of-turn token with mask 1, every other run of messages as the
-template's suffix with mask 0) with the data task's tool schemas, exactly as a multi-turn rollout
-lays it out; a string prompt goes through the chat template when the rollout would put it there
-(data.wraps_string_prompts and a template; data.system_prompt first), else prompt ids ++
-completion ids ++ EOS with the completion and EOS as targets, the prompt and the completion
-tokenised apart as the rollout tokenises a prompt and generates a completion.
-The mask is aligned with the tokens it scores (1 on a target token itself). A record longer than
-sft.max_seq_length, without a target token or without a prompt token is a ConfigError naming it.
-Record sources are encoded once, up front, before any model loads.
-
-`SFTSource` hands out encoded examples in a restorable order (`next_examples`, `state`,
-`restore`: a `jgrpo.tasks.data.RecordStream` or the task's stream); `make_batch` lays
-examples into a right-padded numpy `TrainBatch` of the step (rewards 0, one group per row,
-sample_mask 0 on padding rows).
-"""
+Sources (`make_sources`): sft.train_path / sft.val_path or the API's datasets, read by
+`tasks.data.load_table` like GRPO data; unset, the data task's examples and reference answers.
+A record is `messages` (chat turns, tool calls and results included) or a `prompt` and a
+`completion` (strings or message lists). `Encoder` lays a record out as the rollout does: a
+conversation by `rollout.conversation.ChatFormat.encode` with the task's tool schemas (assistant
+turns through their end-of-turn token are targets, all else context); a string prompt through
+the chat template when the rollout would (data.wraps_string_prompts), else prompt ids ++
+completion ids ++ EOS, tokenised apart. Masks are aligned with the tokens they score. Too long,
+no target or no prompt: a ConfigError naming the record; record files are encoded up front.
+`SFTSource` hands out encoded examples in a restorable order; `make_batch` lays them into a
+right-padded numpy `TrainBatch` (rewards 0, a group per row, sample_mask 0 on padding rows)."""
 
 from __future__ import annotations
 

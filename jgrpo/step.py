@@ -3,8 +3,8 @@
 - `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
   ref_params, frozen=None) -> (state, metrics)`, a `TopLevelStep` (compiled with the sampler's
   XLA options) that donates `state` and pins the output state's shardings.
-- `StepFlags` (static) decides the program; float hyperparameters travel traced in
-  `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
+- `StepFlags` (static; `objective="sft"`: `jgrpo.sft`'s loss) decides the program; floats
+  travel traced in `StepHparams` (a sweep never recompiles). `batch`: a TrainBatch, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
   all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
