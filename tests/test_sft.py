@@ -371,3 +371,58 @@ def test_cli_sft_resume_repeats_the_run_and_exports(folders, tmp_path):
         b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict()
         for key in a:
             np.testing.assert_allclose(a[key].numpy(), b[key].numpy(), atol=1e-6, err_msg=key)
+
+
+def test_trl_sft_arguments_map_to_jgrpo_keys():
+    from jgrpo.api import build_sft_config
+    from jgrpo.trl_config import SFTConfig
+
+    args = SFTConfig(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_length=64,
+        max_steps=7,
+        packing=True,
+        learning_rate=3e-4,
+        lr_scheduler_type="cosine",
+        bf16=True,
+        assistant_only_loss=True,
+        report_to="none",
+    )
+    cfg = build_sft_config(None, ["sft.val_period=3"], args=args, model="builtin:tiny-qwen2")
+    s = cfg.sft
+    assert (s.batch_size, s.num_microbatches, s.max_seq_length, s.max_num_steps) == (8, 2, 64, 7)
+    assert s.sequence_packing and s.val_period == 3 and cfg.optim.schedule == "cosine"
+    assert cfg.optim.learning_rate == 3e-4 and cfg.model.compute_dtype == "bfloat16"
+    assert not cfg.logging.tensorboard and cfg.model.path == "builtin:tiny-qwen2"
+    for kwargs, message in [
+        ({"assistant_only_loss": False}, "SFTConfig.assistant_only_loss: False is not supported"),
+        ({"num_train_epochs": 2}, "SFTConfig: num_train_epochs is not supported"),
+        ({"per_device_train_batch_size": 0}, "per_device_train_batch_size: 0 must be a positive"),
+        ({"beta": 0.1}, "SFTConfig: beta is not a TRL argument jgrpo supports"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            SFTConfig(**kwargs)
+
+
+@pytest.mark.heavy  # make test: test_cli_sft_run_writes_final_and_validates
+def test_sft_trainer_trains_on_python_records_with_lora(tmp_path):
+    import jgrpo
+    from jgrpo.config import LoRAConfig
+
+    records = [{"messages": CONVERSATION[1:]} for _ in range(4)]
+    trainer = jgrpo.SFTTrainer(
+        model="builtin:tiny-qwen2-chat",
+        train_dataset=records,
+        eval_dataset=records[:2],
+        args=jgrpo.SFTConfig(
+            max_steps=2, per_device_train_batch_size=8, learning_rate=1e-2, max_length=T_CHAT
+        ),
+        peft_config=LoRAConfig(rank=4),
+        run_dir=tmp_path / "run",
+        overrides=["sft.val_accuracy=false", "model.remat=none", "logging.tensorboard=false"],
+    )
+    result = trainer.train()
+    assert [r["step"] for r in result.history] == [2]
+    assert result.history[0]["val/loss"] < result.metrics[0]["loss/total"]
+    assert (result.model_dir / "model.safetensors").is_file()
