@@ -138,8 +138,10 @@ def setup(
         log.info("resumed from step %d of %d", start, cfg.sft.max_num_steps)
     elif resume:
         log.info("no intact checkpoint to resume from: starting at step 0")
-    backend = None
-    if cfg.sft.val_accuracy and task.has_verifier and evaluation.has_held_out(task):
+    backend, accuracy = None, cfg.sft.val_accuracy
+    if accuracy is None:  # the data task's own records: its held-out questions measure them
+        accuracy = cfg.sft.train_path is None and train_dataset is None
+    if accuracy and task.has_verifier and evaluation.has_held_out(task):
         engine = RolloutEngine(cfg, model.cfg, tokenizer, task)
         backend = LocalRollout(engine, nnx.graphdef(model), cfg.grpo.seed, 1, built.frozen)
     trainable = sum(x.size for x in jax.tree.leaves(state.params))

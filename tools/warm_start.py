@@ -256,8 +256,7 @@ def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=prin
         (tmp / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         length = longest_record(records, base, cfg)
         config = sft_config(settings, cfg, base, tmp / "records.jsonl", -(-length // 8) * 8)
-        if not evaluate:
-            config["sft"]["val_accuracy"] = False
+        config["sft"]["val_accuracy"] = evaluate
         (tmp / "sft.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         argv = ["sft", "--config", str(tmp / "sft.yaml"), "--run-dir", str(tmp / "run")]
         code = cli.main(argv)

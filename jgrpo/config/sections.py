@@ -544,9 +544,10 @@ class SFTConfig:
     """Validate every this many steps (0 = only at the end, with sft.val_at_end)."""
     val_at_end: bool = True
     """Validate after the last step."""
-    val_accuracy: bool = True
-    """Validation also measures greedy accuracy on data's held-out set (tasks with a
-    verifier), sampled as `jgrpo eval` samples it (rollout.*)."""
+    val_accuracy: Optional[bool] = None
+    """Validation also measures greedy accuracy on data's held-out set (tasks with a verifier),
+    sampled as `jgrpo eval` samples it (rollout.*). None = when the records are the data task's
+    own (sft.train_path unset, no train_dataset)."""
 
 
 @dataclasses.dataclass(**_FROZEN)
