@@ -155,7 +155,8 @@ def sft_grads(cfg, examples, pad_id):
     model = load_policy(cfg.model, seed=0)
     built = build_step(step_config(cfg), model, objective="sft")
     flags, graphdef, hp = built.flags, built.graphdef, built.hparams
-    batch = built.device_batch(make_batch(examples, 8, cfg.sft.max_seq_length, pad_id))
+    rows, width = cfg.sft.batch_size, cfg.sft.max_seq_length
+    batch = built.device_batch(make_batch(examples, rows, width, pad_id))
 
     @jax.jit
     def grads_of(state, batch):
@@ -193,10 +194,12 @@ def test_packed_step_equals_unpacked(folders):
     "overrides", [["sft.num_microbatches=2"], [*PACKED, "sft.num_microbatches=2"]]
 )
 def test_microbatched_steps_equal_the_plain_step(folders, overrides):
-    cfg = sft_cfg(folders["bare"])
-    examples, tokenizer = encoded(cfg, RECORDS)
+    """16 rows: each of 2 microbatches splits over the 8 devices."""
+    cfg = sft_cfg(folders["bare"], "sft.batch_size=16")
+    examples, tokenizer = encoded(cfg, RECORDS * 2)
     plain = sft_grads(cfg, examples, tokenizer.pad_token_id)
-    assert_same_grads(sft_grads(sft_cfg(folders["bare"], *overrides), examples, 0), plain)
+    other = sft_cfg(folders["bare"], "sft.batch_size=16", *overrides)
+    assert_same_grads(sft_grads(other, examples, 0), plain)
 
 
 def test_sft_step_has_one_forward_and_no_advantages(folders):
