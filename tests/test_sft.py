@@ -270,7 +270,7 @@ def run_cli(*args, cwd):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1500,
     )
 
 
