@@ -280,7 +280,9 @@ def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=prin
 
 
 def longest_record(records: list[dict], base: Path, cfg) -> int:
-    """Tokens of the longest record as `jgrpo sft` lays it out (with the task's tool schemas)."""
+    """Tokens of the longest record as `jgrpo sft` lays it out (with the task's tool schemas):
+    the most of the 64 records longest as JSON text (the char tokenizer spends a token per
+    byte, so these hold the longest of each layout; rendering all of them twice took minutes)."""
     from jgrpo.rollout import load_tokenizer
     from jgrpo.sft_data import Encoder
     from jgrpo.tasks import make_task
@@ -291,7 +293,8 @@ def longest_record(records: list[dict], base: Path, cfg) -> int:
     finally:
         task.close()
     encoder = Encoder(load_tokenizer(base), cfg, tools)
-    return max(len(encoder.record(r, f"record {i}")[0]) for i, r in enumerate(records))
+    longest = sorted(records, key=lambda r: len(json.dumps(r)), reverse=True)[:64]
+    return max(len(encoder.record(r, "record")[0]) for r in longest)
 
 
 def main(argv=None) -> int:
