@@ -246,3 +246,101 @@ class GRPOTrainer:
             run_dir=self.run_dir,
             metrics=read_metrics(self.run_dir),
         )
+
+
+def build_sft_config(
+    config: Union[str, Path, dict, Config, None],
+    overrides: Sequence[str] = (),
+    *,
+    args=None,
+    model=None,
+    peft_config=None,
+) -> Config:
+    """The validated Config of `jgrpo.SFTTrainer`: a path / dict / Config, then TRL's `args`
+    (a jgrpo.SFTConfig), `model` and `peft_config`, then overrides."""
+    from jgrpo.trl_config import SFTConfig, lora_keys, sft_keys
+
+    if config is None or isinstance(config, (str, Path)):
+        data = read_config(config)
+    elif isinstance(config, Config):
+        data = _raw(config)
+    elif isinstance(config, dict):
+        data = dict(config)
+    else:
+        raise ConfigError(
+            f"config: expected a YAML path, a dict or a jgrpo Config, got {type(config).__name__}"
+        )
+    keys: dict[str, Any] = {}
+    if args is not None:
+        if not isinstance(args, SFTConfig):
+            raise ConfigError(f"args: expected a jgrpo.SFTConfig, got {type(args).__name__}")
+        keys |= sft_keys(args)
+    if model is not None:
+        keys["model.path"] = _model_path(model)
+    if peft_config is not None:
+        keys |= lora_keys(peft_config)
+    data = _set_keys(data, keys)
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+    return validate(from_dict(Config, data))
+
+
+class SFTTrainer:
+    """Supervised fine-tuning from Python, in TRL's shape (docs/sft.md):
+
+        trainer = jgrpo.SFTTrainer(model="builtin:tiny-qwen2-chat", train_dataset=records,
+                                   args=jgrpo.SFTConfig(max_steps=10, learning_rate=1e-3))
+        result = trainer.train()      # result.history, result.metrics, result.model_dir
+
+    `config` (a YAML path, dict or Config) is the base; `args` (jgrpo.SFTConfig, TRL's names),
+    `model` (what model.path takes), `peft_config` (LoRA) and `overrides` (dotted keys) apply
+    in that order. `train_dataset` / `eval_dataset` (list of dicts or datasets.Dataset of
+    `messages` or prompt/completion records) replace sft.train_path / sft.val_path. It runs the
+    CLI's `jgrpo sft` loop (`jgrpo.sft.run`)."""
+
+    def __init__(
+        self,
+        config: Union[str, Path, dict, Config, None] = None,
+        *,
+        model=None,
+        train_dataset=None,
+        eval_dataset=None,
+        args=None,
+        peft_config=None,
+        run_dir: Union[str, Path, None] = None,
+        overrides: Sequence[str] = (),
+        **unsupported: Any,
+    ):
+        for name in unsupported:
+            raise ConfigError(f"SFTTrainer: {name} is not supported (docs/sft.md)")
+        self.config = build_sft_config(
+            config, overrides, args=args, model=model, peft_config=peft_config
+        )
+        self.args = args
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        output_dir = getattr(args, "output_dir", None)
+        if run_dir is not None and output_dir is not None:
+            raise ConfigError("run_dir: give run_dir or SFTConfig.output_dir, not both")
+        run_dir = run_dir or output_dir
+        self.run_dir = Path(run_dir or Path("runs") / time.strftime("sft-%Y%m%d-%H%M%S"))
+
+    def train(self, resume: bool = False) -> TrainResult:
+        """Run the SFT loop (`resume=True` continues from the newest checkpoint)."""
+        from jgrpo.export import FINAL_DIR
+        from jgrpo.metrics import read_metrics
+        from jgrpo.sft import run
+
+        history = run(
+            self.config,
+            self.run_dir,
+            resume=resume,
+            train_dataset=self.train_dataset,
+            eval_dataset=self.eval_dataset,
+        )
+        return TrainResult(
+            history=history,
+            model_dir=self.run_dir / FINAL_DIR,
+            run_dir=self.run_dir,
+            metrics=read_metrics(self.run_dir),
+        )

@@ -3,8 +3,8 @@
 - `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
   ref_params, frozen=None) -> (state, metrics)`, a `TopLevelStep` (compiled with the sampler's
   XLA options) that donates `state` and pins the output state's shardings.
-- `StepFlags` (static) decides the program; float hyperparameters travel traced in
-  `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
+- `StepFlags` (static; `objective="sft"`: `jgrpo.sft`'s loss) decides the program; floats
+  travel traced in `StepHparams` (a sweep never recompiles). `batch`: a TrainBatch, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
   all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,8 @@ class StepFlags:
     clip_grad_norm: bool = True
     schedule: str = "constant"
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """optim.min_lr_ratio (a compile-time constant of the schedule, like warmup_steps)."""
     total_updates: int = 1
     lora: bool = False
     """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
@@ -68,9 +70,12 @@ class StepFlags:
     `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
+    objective: Literal["grpo", "sft"] = "grpo"
+    """The loss: grpo (`losses.policy_loss` on the advantages) or sft (`losses.sft_loss`, the
+    mean NLL of the token_mask tokens; no advantages, no frozen forwards: `jgrpo.sft`)."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> StepFlags:
+    def from_config(cls, cfg: Config, objective: Literal["grpo", "sft"] = "grpo") -> StepFlags:
         return cls(
             compute_prev_logprobs=not cfg.skip_prev,
             compute_ref_logprobs=not cfg.skip_ref,
@@ -82,10 +87,12 @@ class StepFlags:
             clip_grad_norm=cfg.optim.max_grad_norm is not None,
             schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
             total_updates=total_updates(cfg),
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
             sequence_packing=cfg.grpo.sequence_packing,
+            objective=objective,
         )
 
 
@@ -353,6 +360,18 @@ def prepare_batch(
             f"{type(batch).__name__}"
         )
     batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
+    if flags.objective == "sft":  # teacher forcing: no frozen forward, no advantages
+        zeros_bt = jnp.zeros_like(batch.token_mask)
+        data = ScoredBatch(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_mask=batch.token_mask,
+            generation_logprobs=zeros_bt,
+            sample_mask=batch.sample_mask,
+            advantages=zeros_bt,
+            layout=layout,
+        )
+        return data, {}
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     forward = functools.partial(
@@ -428,6 +447,12 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     policy_logprobs = functools.partial(
         policy_logprobs_routed, graphdef, temperature=hparams.temperature
     )
+
+    def objective(lp_bt, inputs):
+        if flags.objective == "sft":
+            return losses.sft_loss(lp_bt, inputs["token_mask"], inputs["sample_mask"], n_tok)
+        return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
+
     router_losses = functools.partial(
         losses.add_router_losses,
         aux_coef=hparams.router_aux_loss_coef,
@@ -441,8 +466,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
             lp_bt, routed, spec = policy_logprobs(
                 full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
             )
-        loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
-        return router_losses(*loss, routed, spec)
+        return router_losses(*objective(lp_bt, mb.loss_inputs()), routed, spec)
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -460,9 +484,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         tm_bt = data.token_mask * in_b[:, None]
         lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        return router_losses(
-            *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
-        )
+        return router_losses(*objective(lp_bt, inputs), routed, spec)
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
     return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)
@@ -511,7 +533,9 @@ def optimizer_update(
         grad_shardings=grad_shardings,
     )
     grad_norm = optax.tree.norm(grads)
-    schedule = make_schedule(flags.schedule, flags.warmup_steps, flags.total_updates)
+    schedule = make_schedule(
+        flags.schedule, flags.warmup_steps, flags.total_updates, flags.min_lr_ratio
+    )
     opt_state = set_hyperparams(state.opt_state, hparams.optimizer)
     updates, opt_state = tx.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

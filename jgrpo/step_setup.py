@@ -175,13 +175,16 @@ class StepSetup:
         )
 
 
-def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> StepSetup:
+def build_step(
+    cfg: Config, model: nnx.Module, *, mesh=None, trainable=None, objective="grpo"
+) -> StepSetup:
     """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
 
     `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device. `trainable` is an nnx
     filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
     the others become `frozen` (placed with their shardings, in their stored dtype). None =
-    everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`)."""
+    everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`). `objective`:
+    the step's loss (`StepFlags.objective`; "sft" for `jgrpo.sft`)."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     rules = sharding.make_rules(cfg.mesh)
@@ -212,7 +215,7 @@ def build_step(cfg: Config, model: nnx.Module, *, mesh=None, trainable=None) -> 
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
     shardings = TrainState(p_shard, opt_state_shardings(tx, params_abstract, p_shard, rep), rep)
-    flags = StepFlags.from_config(cfg)
+    flags = StepFlags.from_config(cfg, objective)
     dtype, ref = model.cfg.jnp_dtype, None
     if abstract:
         opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)

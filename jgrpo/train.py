@@ -498,17 +498,25 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically. On a pod only process 0 writes it."""
+    return save_policy(t.setup, t.state.params, out)
+
+
+def save_policy(setup: step_setup.StepSetup, params, out: Path) -> Path:
+    """`save_final` of any run built by `step_setup.build_step` (`jgrpo train`, `jgrpo sft`):
+    the trainable `params` joined with `setup.frozen`, LoRA merged, as an HF folder."""
     from jgrpo.files import atomic_folder
     from jgrpo.models.hf import save_pretrained
 
-    local = None
+    view = lambda tree: tree  # noqa: E731
     if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
         if not distributed.is_primary():
             return out
-        local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.setup.mesh))  # noqa: E731
-    folder = policy_folder(t.cfg.model)
+        view = lambda tree: sharding.host_local(tree, sharding.host_mesh(setup.mesh))  # noqa: E731
+    frozen = None if setup.frozen is None else view(setup.frozen)
+    model = merge_lora(join_lora(setup.graphdef, view(params), frozen))
+    folder = policy_folder(setup.cfg.model)
     with atomic_folder(out, overwrite=True) as tmp:
-        save_pretrained(policy_model(t, local), tmp, source=folder)
+        save_pretrained(model, tmp, source=folder)
     return out
 
 

@@ -51,6 +51,7 @@ from jgrpo.config.sections import (
     OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
+    SFTConfig,
     ValSetConfig,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "SFTConfig",
     "ValSetConfig",
     "apply_overrides",
     "check_resume_compatible",

@@ -55,6 +55,9 @@ AT_LEAST_ONE = (
     "data.tool_processes",
     "rollout.max_turns",
     "model.logprob_chunk_size",
+    "sft.batch_size",
+    "sft.max_num_steps",
+    "sft.num_microbatches",
 )
 """Integer keys that must be >= 1."""
 AT_LEAST_ZERO = (
@@ -66,6 +69,7 @@ AT_LEAST_ZERO = (
     "data.max_operand",
     "data.min_operand",
     "model.attention_block_size",
+    "sft.val_period",
 )
 """Integer keys that must be >= 0 (0 = off for the periods)."""
 AT_MOST = (
@@ -112,6 +116,7 @@ def validate(cfg: Config) -> Config:
     check_dapo(cfg)
     check_evaluation(cfg)
     check_turns(cfg)
+    check_sft(cfg)
     return cfg
 
 
@@ -402,6 +407,10 @@ def check_optim(opt: OptimConfig) -> None:
     _require(opt.eps > 0, "optim.eps: must be > 0")
     _require(opt.weight_decay >= 0, "optim.weight_decay: must be >= 0")
     _require(
+        0 <= opt.min_lr_ratio <= 1,
+        f"optim.min_lr_ratio: must lie in [0, 1], got {opt.min_lr_ratio}",
+    )
+    _require(
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",
     )
@@ -561,3 +570,38 @@ def check_turns(cfg: Config) -> None:
         limit is None or limit >= 1,
         f"rollout.max_tool_response_tokens: must be >= 1 (or null), got {limit}",
     )
+
+
+def check_sft(cfg: Config) -> None:
+    """sft: the row length, the batch and its split, the seed, the packing budget."""
+    s = cfg.sft
+    _require(
+        2 <= s.max_seq_length <= MAX_SEQUENCE,
+        f"sft.max_seq_length: must lie in [2, {MAX_SEQUENCE}], got {s.max_seq_length}",
+    )
+    _require(
+        s.batch_size <= MAX_BATCH_ROWS,
+        f"sft.batch_size: must be <= {MAX_BATCH_ROWS}, got {s.batch_size}",
+    )
+    _require(
+        s.batch_size * s.max_seq_length <= MAX_BATCH_TOKENS,
+        f"sft.batch_size x sft.max_seq_length: must be <= {MAX_BATCH_TOKENS} tokens, got "
+        f"{s.batch_size * s.max_seq_length}",
+    )
+    _require(
+        s.batch_size % s.num_microbatches == 0,
+        f"sft.num_microbatches: {s.num_microbatches} must divide sft.batch_size = {s.batch_size}",
+    )
+    _require(0 <= s.seed <= MAX_SEED, f"sft.seed: must lie in [0, {MAX_SEED}], got {s.seed}")
+    if s.packing_budget is not None:
+        _require(
+            s.sequence_packing,
+            "sft.packing_budget: set, but sft.sequence_packing is false (nothing is packed)",
+        )
+        _require(
+            s.max_seq_length <= s.packing_budget <= MAX_SEQUENCE,
+            f"sft.packing_budget: must lie in [sft.max_seq_length = {s.max_seq_length}, "
+            f"{MAX_SEQUENCE}], got {s.packing_budget}",
+        )
+    for key in ("messages_key", "prompt_key", "completion_key"):
+        _require(bool(getattr(s, key)), f"sft.{key}: must be a non-empty column name")

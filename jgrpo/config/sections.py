@@ -407,6 +407,8 @@ class OptimConfig:
     """Decay after warmup, over grpo.max_num_steps * grpo.num_minibatches updates."""
     warmup_steps: int = 0
     """Linear warmup updates."""
+    min_lr_ratio: float = 0.0
+    """Where linear and cosine decay end: this fraction of the peak learning rate (0 = 0)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     b1: float = 0.9
@@ -510,6 +512,55 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(**_FROZEN)
+class SFTConfig:
+    """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
+    the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
+    checkpoint and logging apply as they do to `jgrpo train`; data.* names the task whose tools
+    and prompt rendering the records take, and whose held-out set gives greedy accuracy."""
+
+    train_path: Optional[str] = None
+    """Training records: a file (.jsonl/.json/.parquet/.csv), a save_to_disk folder or a hub
+    dataset id (split train). A record is a chat `messages` list, or a `prompt` and a
+    `completion` (strings, or message lists). None = the data task's reference answers
+    (built-in tasks with one: arithmetic, countdown, gsm8k, calculator), in its training order."""
+    val_path: Optional[str] = None
+    """Validation records (same forms; split test or validation) for the validation loss. None
+    = none, or with train_path None the references of the data task's held-out examples."""
+    dataset_config: Optional[str] = None
+    """The hub dataset's configuration name (both paths), if it has several."""
+    messages_key: str = "messages"
+    """Column of a record's chat messages (role/content dicts; tool turns allowed)."""
+    prompt_key: str = "prompt"
+    """Column of a prompt/completion record's prompt."""
+    completion_key: str = "completion"
+    """Column of a prompt/completion record's completion (the target)."""
+    max_seq_length: int = 1024
+    """T: tokens per row. A longer record is an error naming it (nothing is truncated)."""
+    batch_size: int = 32
+    """Records per optimizer step (the loss is the mean over all their assistant tokens)."""
+    max_num_steps: int = 100
+    """Optimizer steps of the run (the schedule of optim.* spans them)."""
+    num_microbatches: int = 1
+    """Gradient accumulation: each step's rows in this many forward/backward chunks."""
+    sequence_packing: bool = False
+    """Pack the step's records into rows of sft.packing_budget tokens (docs/packing.md)."""
+    packing_budget: Optional[int] = None
+    """Tokens per packed row (None = sft.max_seq_length)."""
+    seed: int = 0
+    """Seed of the record order (shuffled per epoch) and of fresh LoRA adapters."""
+    shuffle: bool = True
+    """Reshuffle the records every epoch (false: file order, epoch after epoch)."""
+    val_period: int = 50
+    """Validate every this many steps (0 = only at the end, with sft.val_at_end)."""
+    val_at_end: bool = True
+    """Validate after the last step."""
+    val_accuracy: Optional[bool] = None
+    """Validation also measures greedy accuracy on data's held-out set (tasks with a verifier),
+    sampled as `jgrpo eval` samples it (rollout.*). None = when the records are the data task's
+    own (sft.train_path unset, no train_dataset)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
 class Config:
     """A whole jgrpo run."""
 
@@ -531,6 +582,8 @@ class Config:
     """Checkpoints."""
     logging: LoggingConfig = LoggingConfig()
     """Metric sinks."""
+    sft: SFTConfig = SFTConfig()
+    """Supervised fine-tuning (`jgrpo sft`); `jgrpo train` ignores it."""
 
     @property
     def skip_prev(self) -> bool:
