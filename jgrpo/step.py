@@ -68,9 +68,17 @@ class StepFlags:
     `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
+    record_routing: bool = False
+    """The batch carries the sampler's expert ids (`TrainBatch.expert_ids`, an MoE model under
+    model.moe.router_replay or record_routing): the policy forward logs moe/routing_mismatch."""
+    router_replay: bool = False
+    """The prev and policy forwards route the recorded tokens with the sampler's experts
+    (model.moe.router_replay; the reference forward routes by its own router)."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> StepFlags:
+    def from_config(cls, cfg: Config, moe_model: bool = False) -> StepFlags:
+        """`moe_model`: the policy is an MoE model (model.moe's routing flags apply)."""
+        moe = cfg.model.moe
         return cls(
             compute_prev_logprobs=not cfg.skip_prev,
             compute_ref_logprobs=not cfg.skip_ref,
@@ -86,6 +94,8 @@ class StepFlags:
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
             sequence_packing=cfg.grpo.sequence_packing,
+            record_routing=moe_model and (moe.router_replay or moe.record_routing),
+            router_replay=moe_model and moe.router_replay,
         )
 
 
@@ -176,11 +186,16 @@ class ScoredBatch:
     """The reference forward's logprobs (None when compute_ref_logprobs is off)."""
     layout: Optional[packing.PackedLayout] = None
     """The packed rows every forward runs over (None: the rows themselves)."""
+    expert_ids: Optional[jax.Array] = None
+    """[B, T, l_moe, k] the sampler's recorded experts (flags.record_routing), else None."""
 
     def loss_inputs(self) -> dict[str, jax.Array]:
         """The arrays `losses.policy_loss` reads, by name (absent forwards left out)."""
-        fields = (f.name for f in dataclasses.fields(self) if f.name != "layout")
+        fields = (f.name for f in dataclasses.fields(self) if f.name not in NOT_LOSS_INPUTS)
         return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+
+
+NOT_LOSS_INPUTS = ("layout", "expert_ids")
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -230,13 +245,26 @@ def sequence_logprobs(
     use_lora=True,
     first_scored=1,
     packed=None,
+    expert_ids=None,
 ):
     """[B, T] float32 logprobs of `input_ids_bt` under the model (temperature-scaled), through
     `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the columns
     before `first_scored` (no logits computed there); use_lora=False skips the LoRA adapters
     (the base model). `packed` = (positions, segment_ids, scored) of packed rows: the
-    [R, H] logprobs of their scored slots instead."""
+    [R, H] logprobs of their scored slots instead. `expert_ids` [B, T, l_moe, k] (an MoE
+    model): the recorded routing, replayed."""
     model = nnx.merge(graphdef, params)
+    if expert_ids is not None:
+        lp, _ = model.token_logprobs_routed(
+            input_ids_bt,
+            attention_mask_bt,
+            temperature,
+            expert_ids=layer_major(expert_ids),
+            use_lora=use_lora,
+            first_scored=first_scored,
+            packed=packed,
+        )
+        return lp
     return model.token_logprobs(
         input_ids_bt,
         attention_mask_bt,
@@ -247,11 +275,26 @@ def sequence_logprobs(
     )
 
 
+def layer_major(expert_ids_btlk):
+    """A batch's recorded expert ids [B, T, l_moe, k] -> the model's [l_moe, B, T, k]."""
+    return jnp.moveaxis(expert_ids_btlk, 2, 0)
+
+
 def policy_logprobs_routed(
-    graphdef, params, input_ids_bt, attention_mask_bt, temperature, first_scored=1, packed=None
+    graphdef,
+    params,
+    input_ids_bt,
+    attention_mask_bt,
+    temperature,
+    first_scored=1,
+    packed=None,
+    expert_ids=None,
+    replay=False,
 ):
     """`sequence_logprobs` of the policy -> (logprobs, MoEOutput, MoESpec) of an MoE model's
-    forward (the router stats of the aux losses), (logprobs, None, None) of a dense one."""
+    forward (the router stats of the aux losses), (logprobs, None, None) of a dense one.
+    `expert_ids` [B, T, l_moe, k]: the recorded routing, compared with the router's choice
+    (MoEOutput.mismatch) and replayed when `replay`."""
     model = nnx.merge(graphdef, params)
     kwargs = dict(first_scored=first_scored, packed=packed)
     if not isinstance(model, MoETransformer):
@@ -260,8 +303,24 @@ def policy_logprobs_routed(
             None,
             None,
         )
+    if expert_ids is not None:
+        kwargs |= dict(expert_ids=layer_major(expert_ids), replay=replay)
     lp, routed = model.token_logprobs_routed(input_ids_bt, attention_mask_bt, temperature, **kwargs)
     return lp, routed, model.cfg.moe
+
+
+def routing_mismatch_metric(mismatch_bt, recorded_bt, num_recorded, num_layers: int) -> dict:
+    """moe/routing_mismatch of one microbatch: its (recorded completion token, MoE layer) pairs
+    whose trainer top-k set differs from the sampler's, over the minibatch's `num_recorded`
+    tokens x `num_layers` (so microbatches add up)."""
+    count = jnp.sum(mismatch_bt.astype(jnp.float32) * recorded_bt)
+    return {"moe/routing_mismatch": count / jnp.maximum(num_recorded * num_layers, 1.0)}
+
+
+def recorded_tokens(token_mask_bt, expert_ids_btlk):
+    """float32 [B, T]: the completion tokens (token_mask) whose experts the sampler recorded
+    (every generated token it fed back: all but each row's last)."""
+    return token_mask_bt * (expert_ids_btlk[:, :, 0, 0] >= 0).astype(jnp.float32)
 
 
 def frozen_logprobs(
@@ -274,22 +333,28 @@ def frozen_logprobs(
     use_lora=True,
     first_scored=1,
     layout=None,
+    replay=False,
 ):
     """A no-gradient forward over the whole batch (anything with input_ids, attention_mask and
     token_mask) in `num_chunks` chunks (bounded memory) -> [B, T]; with a packed `layout`,
-    over its packed rows, read back to the batch's rows (0 off token_mask)."""
+    over its packed rows, read back to the batch's rows (0 off token_mask). `replay`: route
+    the recorded tokens with the batch's (the layout's) expert_ids."""
     packed = layout is not None
     inputs = layout.tokens() if packed else (batch.input_ids, batch.attention_mask)
+    experts = None
+    if replay:
+        experts = layout.expert_ids if packed else batch.expert_ids
 
-    def forward(_, mb):
+    def forward(_, xs):
+        mb, ids_btlk = xs
         ids, mask, where = (mb[0], None, mb[1:]) if packed else (*mb, None)
         lp = sequence_logprobs(
-            graphdef, params, ids, mask, temperature, use_lora, first_scored, where
+            graphdef, params, ids, mask, temperature, use_lora, first_scored, where, ids_btlk
         )
         return None, lp
 
     with jax.named_scope(f"forward_{name}"):
-        _, lp_k = scan_chunks(forward, None, chunk_rows(inputs, num_chunks))
+        _, lp_k = scan_chunks(forward, None, chunk_rows((inputs, experts), num_chunks))
     lp = unchunk_rows(lp_k)
     if packed:
         lp = packing.unpack_logprobs(lp, layout.row, layout.slot, batch.token_mask)
@@ -353,6 +418,12 @@ def prepare_batch(
             f"{type(batch).__name__}"
         )
     batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
+    if (batch.expert_ids is not None) != flags.record_routing:
+        raise ValueError(
+            f"train step: record_routing={flags.record_routing} (model.moe.router_replay / "
+            f"record_routing on an MoE model) takes a batch "
+            f"{'with' if flags.record_routing else 'without'} expert_ids"
+        )
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     forward = functools.partial(
@@ -370,7 +441,7 @@ def prepare_batch(
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         ref_bt = forward("ref", params=ref, use_lora=use_lora)
     if flags.compute_prev_logprobs:
-        prev_bt = forward("prev", params=state.params)
+        prev_bt = forward("prev", params=state.params, replay=flags.router_replay)
     sample_mask_b = batch.sample_mask
     if flags.use_logprob_error_threshold:
         mask_bt = batch.token_mask * batch.sample_mask[:, None]
@@ -411,6 +482,7 @@ def prepare_batch(
         prev_logprobs=prev_bt,
         reference_logprobs=ref_bt,
         layout=layout,
+        expert_ids=batch.expert_ids,
     )
     return data, metrics
 
@@ -426,8 +498,22 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     m_bt = data.token_mask * data.sample_mask[:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data.sample_mask)
     policy_logprobs = functools.partial(
-        policy_logprobs_routed, graphdef, temperature=hparams.temperature
+        policy_logprobs_routed,
+        graphdef,
+        temperature=hparams.temperature,
+        replay=flags.router_replay,
     )
+    recorded_bt = n_rec = None
+    if flags.record_routing:
+        recorded_bt = recorded_tokens(data.token_mask, data.expert_ids)
+        n_rec = jnp.sum(recorded_bt)
+
+    def with_mismatch(loss_metrics, routed, spec, mismatch_bt, recorded_bt):
+        if not flags.record_routing:
+            return loss_metrics
+        metric = routing_mismatch_metric(mismatch_bt, recorded_bt, n_rec, spec.num_sparse)
+        return loss_metrics[0], loss_metrics[1] | metric
+
     router_losses = functools.partial(
         losses.add_router_losses,
         aux_coef=hparams.router_aux_loss_coef,
@@ -439,10 +525,18 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         with jax.named_scope("forward_policy"):
             full = with_frozen(params, frozen)
             lp_bt, routed, spec = policy_logprobs(
-                full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
+                full,
+                mb.input_ids,
+                mb.attention_mask,
+                first_scored=flags.first_scored,
+                expert_ids=mb.expert_ids,
             )
         loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
-        return router_losses(*loss, routed, spec)
+        out = router_losses(*loss, routed, spec)
+        if not flags.record_routing:
+            return out
+        mine_bt = recorded_tokens(mb.token_mask, mb.expert_ids)
+        return with_mismatch(out, routed, spec, routed.mismatch, mine_bt)
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -451,21 +545,31 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     )
 
     def packed_loss(params, xs):
-        (ids_rw, *packed), k = xs
+        ((ids_rw, *packed), experts_rwlk), k = xs
         with jax.named_scope("forward_policy"):
             lp_rh, routed, spec = policy_logprobs(
-                with_frozen(params, frozen), ids_rw, None, packed=packed
+                with_frozen(params, frozen), ids_rw, None, packed=packed, expert_ids=experts_rwlk
             )
         in_b = k_b == k  # the rows this chunk holds
         tm_bt = data.token_mask * in_b[:, None]
-        lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
+        rows_b = jnp.where(in_b, local_b, 0)
+        lp_bt = packing.unpack_logprobs(lp_rh, rows_b, data.layout.slot, tm_bt)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        return router_losses(
+        out = router_losses(
             *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
         )
+        if not flags.record_routing:
+            return out
+        # each scored token's mismatch, at its packed position, read back to the rows
+        mismatch_rh = jnp.take_along_axis(routed.mismatch, packed[2], axis=1)
+        mismatch_bt = packing.unpack_logprobs(
+            mismatch_rh.astype(jnp.float32), rows_b, data.layout.slot, tm_bt
+        )
+        return with_mismatch(out, routed, spec, mismatch_bt, recorded_bt * in_b[:, None])
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
-    return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)
+    tokens = (data.layout.tokens(), data.layout.expert_ids)
+    return packed_loss, (chunk_rows(tokens, flags.num_microbatches), chunks)
 
 
 def accumulate_gradients(

@@ -55,7 +55,11 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
     router_replay: bool = False
-    """Train on the sampler's expert choice per token (reserved: not implemented yet)."""
+    """The sampler records each fed token's experts and the train step routes those tokens
+    with them (gates still differentiable); logs moe/routing_mismatch. Single-turn rollouts."""
+    record_routing: bool = False
+    """Record the sampler's experts and log moe/routing_mismatch without replaying them
+    (implied by router_replay). Single-turn rollouts."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -77,7 +81,7 @@ class ModelConfig:
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
     moe: MoEConfig = MoEConfig()
-    """Router losses of Mixture-of-Experts models."""
+    """Router losses and router replay of Mixture-of-Experts models."""
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
