@@ -10,8 +10,8 @@ Dropless (no capacity) experts, two paths behind the kernel switch (`EXPERT_PATH
 `dense` runs every expert on every token, mixed by a [t, e] gate matrix.
 Router replay: `route(..., expert_ids_tk=ids)` takes a given choice (rows of -1: the router's
 own) and computes its gates from the current router (differentiable); `routing_mismatch`
-counts the tokens whose own choice differs from a recorded one. Legend: t tokens, d model, f expert mlp, e experts,
-k chosen per token, l layers."""
+counts the tokens whose own choice differs from a recorded one. Legend: t tokens, d model,
+f expert mlp, e experts, k chosen per token, l layers."""
 
 from __future__ import annotations
 
