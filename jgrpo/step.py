@@ -13,6 +13,9 @@
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
   microbatches, normalised by the minibatch's global counts; a non-finite loss or gradient
   skips the update. Rows (packed rows) go to chunks by interleaving (i to chunk i mod K).
+- Router replay (MoE, docs/moe.md): under `StepFlags.record_routing` the batch carries the
+  sampler's expert ids and the policy forward logs moe/routing_mismatch; under
+  `StepFlags.router_replay` the prev and policy forwards route those tokens with them.
 """
 
 from __future__ import annotations
