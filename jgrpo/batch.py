@@ -7,16 +7,12 @@ field's axes and dtype. Per-token arrays [B, T] are aligned with the tokens they
   tokens, the stop token included, all at columns >= rollout.prompt_bucket);
   generation_logprobs [B, T] float32 (the sampler's logprob of each generated token, else 0);
   rewards [B] float32; group_ids [B] int32 (rows of one prompt share an id); sample_mask [B]
-  float32 (1 = the row takes part in the loss); and, only when the sampler recorded them
-  (model.moe.router_replay / record_routing on an MoE model), expert_ids [B, T, l_moe, k] int16
-  (the experts each MoE layer routed every fed token to; -1 where none; else None).
-API: `TrainBatch(**arrays)`, `from_mapping(d)` (the fields of a larger dict, checked);
-`abstract(rows, tokens, mesh=None, routing=None)` (ShapeDtypeStructs for lowering;
-routing = (l_moe, k) adds expert_ids); `TOKEN_KEYS` / `left_pad` (a rollout batch's [B, T, ...]
-arrays and how they widen); `check_scored_from(first)`
-(rejects a generated token left of column `first`); `shard(mesh)` (host -> device over the
-batch axes via `sharding.shard_batch`, process-local rows on a pod); mapping-style access
-(`batch["input_ids"]`, `keys()`, `items()`, `as_dict()`)."""
+  float32 (1 = the row takes part in the loss); `OPTIONAL`: expert_ids [B, T, l_moe, k] int16
+  only when the sampler recorded them (router replay, docs/moe.md; else None).
+API: `TrainBatch(**arrays)`, `from_mapping(d)` (checked); `abstract(rows, tokens, mesh=None,
+routing=None)` (ShapeDtypeStructs; routing = (l_moe, k) adds expert_ids); `TOKEN_KEYS` /
+`left_pad` (a rollout batch's [B, T, ...] arrays, widened); `check_scored_from(first)`;
+`shard(mesh)` (host -> device, process-local rows on a pod); mapping-style access."""
 
 from __future__ import annotations
 

@@ -7,12 +7,11 @@ row first, into the first packed row with room for its tokens and its scored tok
 1). Minibatch m packs its own rows (row i, packed row j in minibatch i, j mod M, as the step
 splits them). A packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions
 (0..L-1 = the row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored
-token, row by row in column order; a batch's recorded expert ids (router replay) are packed
-with their tokens (`expert_ids` [R, W, l_moe, k], -1 elsewhere). The packed rows per
-minibatch are a multiple of `spec.row_quantum`, bucketed (`row_buckets`: at most 4 log2(n) + 1
-counts). Device: `unpack_logprobs` reads [R, H] slot logprobs back to rows [B, T], 0 off
-token_mask, so losses.py sees the unpacked batch's arrays; `microbatch_of` says which
-microbatch holds a row.
+token, row by row in column order (recorded `expert_ids` [R, W, l_moe, k] go with their tokens,
+-1 elsewhere). The packed rows per minibatch are a multiple of `spec.row_quantum`, bucketed
+(`row_buckets`: at most 4 log2(n) + 1 counts). Device: `unpack_logprobs` reads [R, H] slot
+logprobs back to rows [B, T], 0 off token_mask, so losses.py sees the unpacked batch's arrays;
+`microbatch_of` says which microbatch holds a row.
 Legend: r packed rows, w packed width, h scored slots; b, t the batch's rows and columns.
 """
 

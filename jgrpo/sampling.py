@@ -11,10 +11,8 @@ cache column P + i and position prompt_len_b + i, the positions the trainer's fo
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
 neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
-on `compact_decode` (the one-batch loop narrows to its running rows). `record_experts` (an MoE
-model): `Generation.expert_ids` holds the experts that routed each fed token (router replay,
-docs/moe.md). One executable per
-(B, U, P, S, DecodeSpec), shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
+on `compact_decode` (the one-batch loop narrows to its running rows); `record_experts`: each fed
+token's experts. One executable per (B, U, P, S, DecodeSpec), shardings. docs/sampler.md."""
 
 from __future__ import annotations
 

@@ -7,15 +7,12 @@
   `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
-  all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
+  all trains) joins `TrainState.params` in every forward (jgrpo.forwards), never updated.
 - In one call (docs/losses.md): the reference and prev forwards (only when their flags say so,
   each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
   microbatches, normalised by the minibatch's global counts; a non-finite loss or gradient
   skips the update. Rows (packed rows) go to chunks by interleaving (i to chunk i mod K).
-- Router replay (MoE, docs/moe.md): under `StepFlags.record_routing` the batch carries the
-  sampler's expert ids and the policy forward logs moe/routing_mismatch; under
-  `StepFlags.router_replay` the prev and policy forwards route those tokens with them.
 """
 
 from __future__ import annotations
@@ -27,13 +24,21 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import struct
 
-from jgrpo import losses, packing
+from jgrpo import losses, packing, replay
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, LossConfig
+from jgrpo.forwards import (  # noqa: F401 (sequence_logprobs: the step's forward, re-exported)
+    chunk_rows,
+    frozen_logprobs,
+    policy_logprobs_routed,
+    scan_chunks,
+    sequence_logprobs,
+    unchunk_rows,
+    with_frozen,
+)
 from jgrpo.models import kernels
-from jgrpo.models.moe_transformer import MoETransformer
 from jgrpo.optimizer import (
     OptimizerHparams,
     make_schedule,
@@ -194,174 +199,13 @@ class ScoredBatch:
 
     def loss_inputs(self) -> dict[str, jax.Array]:
         """The arrays `losses.policy_loss` reads, by name (absent forwards left out)."""
-        fields = (f.name for f in dataclasses.fields(self) if f.name not in NOT_LOSS_INPUTS)
+        fields = (
+            f.name for f in dataclasses.fields(self) if f.name not in ("layout", "expert_ids")
+        )
         return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
 
-NOT_LOSS_INPUTS = ("layout", "expert_ids")
-
-
 # ----------------------------------------------------------------------------- pieces
-
-
-def scan_chunks(f, carry, xs_k):
-    """`jax.lax.scan(f, carry, xs_k)` over the leading (chunk) axis, or, for one chunk, the body
-    called once: XLA keeps a one-trip while loop as a loop (nothing fuses across its
-    boundary). Same values either way."""
-    if jax.tree.leaves(xs_k)[0].shape[0] != 1:
-        return jax.lax.scan(f, carry, xs_k)
-    carry, y = f(carry, jax.tree.map(lambda x: x[0], xs_k))
-    return carry, jax.tree.map(lambda x: x[None], y)
-
-
-def chunk_rows(tree, num_chunks: int):
-    """[B, ...] -> [K, B/K, ...] with row i in chunk i mod K (keeps batch sharding intact)."""
-
-    def split(x):
-        return jnp.swapaxes(x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(split, tree)
-
-
-def unchunk_rows(x_k):
-    """Inverse of chunk_rows for one array."""
-    return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
-
-
-def with_frozen(params, frozen):
-    """The full parameter tree: the trainable `params` nested dict merged with the `frozen`
-    one (None = nothing frozen). Their leaf paths are disjoint."""
-    if frozen is None or params is None:
-        return params
-    out = dict(params)
-    for key, value in frozen.items():
-        out[key] = with_frozen(out[key], value) if key in out else value
-    return out
-
-
-def sequence_logprobs(
-    graphdef,
-    params,
-    input_ids_bt,
-    attention_mask_bt,
-    temperature,
-    use_lora=True,
-    first_scored=1,
-    packed=None,
-    expert_ids=None,
-):
-    """[B, T] float32 logprobs of `input_ids_bt` under the model (temperature-scaled), through
-    `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the columns
-    before `first_scored` (no logits computed there); use_lora=False skips the LoRA adapters
-    (the base model). `packed` = (positions, segment_ids, scored) of packed rows: the
-    [R, H] logprobs of their scored slots instead. `expert_ids` [B, T, l_moe, k] (an MoE
-    model): the recorded routing, replayed."""
-    model = nnx.merge(graphdef, params)
-    if expert_ids is not None:
-        lp, _ = model.token_logprobs_routed(
-            input_ids_bt,
-            attention_mask_bt,
-            temperature,
-            expert_ids=layer_major(expert_ids),
-            use_lora=use_lora,
-            first_scored=first_scored,
-            packed=packed,
-        )
-        return lp
-    return model.token_logprobs(
-        input_ids_bt,
-        attention_mask_bt,
-        temperature,
-        use_lora=use_lora,
-        first_scored=first_scored,
-        packed=packed,
-    )
-
-
-def layer_major(expert_ids_btlk):
-    """A batch's recorded expert ids [B, T, l_moe, k] -> the model's [l_moe, B, T, k]."""
-    return jnp.moveaxis(expert_ids_btlk, 2, 0)
-
-
-def policy_logprobs_routed(
-    graphdef,
-    params,
-    input_ids_bt,
-    attention_mask_bt,
-    temperature,
-    first_scored=1,
-    packed=None,
-    expert_ids=None,
-    replay=False,
-):
-    """`sequence_logprobs` of the policy -> (logprobs, MoEOutput, MoESpec) of an MoE model's
-    forward (the router stats of the aux losses), (logprobs, None, None) of a dense one.
-    `expert_ids` [B, T, l_moe, k]: the recorded routing, compared with the router's choice
-    (MoEOutput.mismatch) and replayed when `replay`."""
-    model = nnx.merge(graphdef, params)
-    kwargs = dict(first_scored=first_scored, packed=packed)
-    if not isinstance(model, MoETransformer):
-        return (
-            model.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs),
-            None,
-            None,
-        )
-    if expert_ids is not None:
-        kwargs |= dict(expert_ids=layer_major(expert_ids), replay=replay)
-    lp, routed = model.token_logprobs_routed(input_ids_bt, attention_mask_bt, temperature, **kwargs)
-    return lp, routed, model.cfg.moe
-
-
-def routing_mismatch_metric(mismatch_bt, recorded_bt, num_recorded, num_layers: int) -> dict:
-    """moe/routing_mismatch of one microbatch: its (recorded completion token, MoE layer) pairs
-    whose trainer top-k set differs from the sampler's, over the minibatch's `num_recorded`
-    tokens x `num_layers` (so microbatches add up)."""
-    count = jnp.sum(mismatch_bt.astype(jnp.float32) * recorded_bt)
-    return {"moe/routing_mismatch": count / jnp.maximum(num_recorded * num_layers, 1.0)}
-
-
-def recorded_tokens(token_mask_bt, expert_ids_btlk):
-    """float32 [B, T]: the completion tokens (token_mask) whose experts the sampler recorded
-    (every generated token it fed back: all but each row's last)."""
-    return token_mask_bt * (expert_ids_btlk[:, :, 0, 0] >= 0).astype(jnp.float32)
-
-
-def frozen_logprobs(
-    name,
-    graphdef,
-    params,
-    batch,
-    temperature,
-    num_chunks,
-    use_lora=True,
-    first_scored=1,
-    layout=None,
-    replay=False,
-):
-    """A no-gradient forward over the whole batch (anything with input_ids, attention_mask and
-    token_mask) in `num_chunks` chunks (bounded memory) -> [B, T]; with a packed `layout`,
-    over its packed rows, read back to the batch's rows (0 off token_mask). `replay`: route
-    the recorded tokens with the batch's (the layout's) expert_ids."""
-    packed = layout is not None
-    inputs = layout.tokens() if packed else (batch.input_ids, batch.attention_mask)
-    experts = None
-    if replay:
-        experts = layout.expert_ids if packed else batch.expert_ids
-
-    def forward(_, xs):
-        mb, ids_btlk = xs
-        ids, mask, where = (mb[0], None, mb[1:]) if packed else (*mb, None)
-        lp = sequence_logprobs(
-            graphdef, params, ids, mask, temperature, use_lora, first_scored, where, ids_btlk
-        )
-        return None, lp
-
-    with jax.named_scope(f"forward_{name}"):
-        _, lp_k = scan_chunks(forward, None, chunk_rows((inputs, experts), num_chunks))
-    lp = unchunk_rows(lp_k)
-    if packed:
-        lp = packing.unpack_logprobs(lp, layout.row, layout.slot, batch.token_mask)
-    return jax.lax.stop_gradient(lp)
 
 
 def reduce_minibatch_metrics(stacked: dict) -> dict:
@@ -421,12 +265,7 @@ def prepare_batch(
             f"{type(batch).__name__}"
         )
     batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
-    if (batch.expert_ids is not None) != flags.record_routing:
-        raise ValueError(
-            f"train step: record_routing={flags.record_routing} (model.moe.router_replay / "
-            f"record_routing on an MoE model) takes a batch "
-            f"{'with' if flags.record_routing else 'without'} expert_ids"
-        )
+    replay.check_batch(batch, flags.record_routing)
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     forward = functools.partial(
@@ -444,7 +283,7 @@ def prepare_batch(
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         ref_bt = forward("ref", params=ref, use_lora=use_lora)
     if flags.compute_prev_logprobs:
-        prev_bt = forward("prev", params=state.params, replay=flags.router_replay)
+        prev_bt = forward("prev", params=state.params, replay_ids=flags.router_replay)
     sample_mask_b = batch.sample_mask
     if flags.use_logprob_error_threshold:
         mask_bt = batch.token_mask * batch.sample_mask[:, None]
@@ -504,18 +343,11 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         policy_logprobs_routed,
         graphdef,
         temperature=hparams.temperature,
-        replay=flags.router_replay,
+        replay_ids=flags.router_replay,
     )
-    recorded_bt = n_rec = None
-    if flags.record_routing:
-        recorded_bt = recorded_tokens(data.token_mask, data.expert_ids)
+    if flags.record_routing:  # moe/routing_mismatch over the minibatch's recorded tokens
+        recorded_bt = replay.recorded_tokens(data.token_mask, data.expert_ids)
         n_rec = jnp.sum(recorded_bt)
-
-    def with_mismatch(loss_metrics, routed, spec, mismatch_bt, recorded_bt):
-        if not flags.record_routing:
-            return loss_metrics
-        metric = routing_mismatch_metric(mismatch_bt, recorded_bt, n_rec, spec.num_sparse)
-        return loss_metrics[0], loss_metrics[1] | metric
 
     router_losses = functools.partial(
         losses.add_router_losses,
@@ -536,10 +368,10 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
             )
         loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
         out = router_losses(*loss, routed, spec)
-        if not flags.record_routing:
-            return out
-        mine_bt = recorded_tokens(mb.token_mask, mb.expert_ids)
-        return with_mismatch(out, routed, spec, routed.mismatch, mine_bt)
+        if flags.record_routing:
+            mine_bt = replay.recorded_tokens(mb.token_mask, mb.expert_ids)
+            out = replay.with_mismatch(out, routed.mismatch, mine_bt, n_rec, spec)
+        return out
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -561,14 +393,11 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         out = router_losses(
             *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
         )
-        if not flags.record_routing:
-            return out
-        # each scored token's mismatch, at its packed position, read back to the rows
-        mismatch_rh = jnp.take_along_axis(routed.mismatch, packed[2], axis=1)
-        mismatch_bt = packing.unpack_logprobs(
-            mismatch_rh.astype(jnp.float32), rows_b, data.layout.slot, tm_bt
-        )
-        return with_mismatch(out, routed, spec, mismatch_bt, recorded_bt * in_b[:, None])
+        if flags.record_routing:
+            where = (packed[2], rows_b, data.layout.slot, tm_bt)
+            mismatch_bt = replay.packed_mismatch(routed.mismatch, *where)
+            out = replay.with_mismatch(out, mismatch_bt, recorded_bt * in_b[:, None], n_rec, spec)
+        return out
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
     tokens = (data.layout.tokens(), data.layout.expert_ids)

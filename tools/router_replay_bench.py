@@ -5,9 +5,10 @@ model.moe.router_replay (docs/moe.md "Router replay").
 One rollout per model: `sampling.generate` with the experts recorded (`record_experts`) on
 random prompts of the character vocabulary, `--rows` rows of up to `--tokens` new tokens at
 temperature 1, in `--dtype` compute (float32 master weights, as a GPU run keeps them). The
-same batch then goes through the train step's prepare_batch and gradient pass (one device,
-one minibatch: the same weights as the sampler) twice: with model.moe.record_routing (the
-trainer routes by its own router, the recorded experts only compared) and with
+same batch then goes through the train step's prepare_batch and gradient pass (compiled with
+the step's XLA options; one device, one minibatch: the same weights as the sampler) twice:
+with model.moe.record_routing (the trainer routes by its own router, the recorded experts
+only compared) and with
 model.moe.router_replay (the prev and policy forwards replay them). Reported per mode, as the
 step logs them: moe/routing_mismatch (the share of (fed generated token, MoE layer) pairs whose
 trainer top-k set differs from the recorded one) and logprob/token_mult_prob_error (token mean
@@ -35,7 +36,7 @@ from flax import nnx
 from jgrpo import step, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
-from jgrpo.models import load_policy
+from jgrpo.models import kernels, load_policy
 from jgrpo.models.tiny import (
     build_tiny_moe_model,
     tiny_qwen3_moe_config,
@@ -108,13 +109,14 @@ def step_metrics(cfg, model, batch: dict) -> dict[str, float]:
     built = step_setup.build_step(cfg, model)
     device_batch = built.device_batch(TrainBatch.from_mapping(batch))
 
-    @jax.jit
     def metrics(state, batch, hparams, ref):
         kw = dict(flags=built.flags, graphdef=built.graphdef)
         data, out = step.prepare_batch(state, batch, hparams, ref, **kw)
         _, loss_metrics = step.accumulate_gradients(state.params, data, hparams, **kw)
         return out | loss_metrics
 
+    # the train step's XLA options: bfloat16 rounded as the sampler rounds it (models/kernels.py)
+    metrics = jax.jit(metrics, compiler_options=kernels.COMPILER_OPTIONS)
     out = metrics(built.state, device_batch, built.hparams, built.ref_params)
     return {k: float(out[k]) for k in REPORTED}
 

@@ -55,11 +55,9 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
     router_replay: bool = False
-    """The sampler records each fed token's experts and the train step routes those tokens
-    with them (gates still differentiable); logs moe/routing_mismatch. Single-turn rollouts."""
+    """Train step routes each generated token to the experts the sampler recorded for it."""
     record_routing: bool = False
-    """Record the sampler's experts and log moe/routing_mismatch without replaying them
-    (implied by router_replay). Single-turn rollouts."""
+    """Record the sampler's experts for moe/routing_mismatch only, never replayed."""
 
 
 @dataclasses.dataclass(**_FROZEN)
