@@ -19,7 +19,11 @@ same recipe at d 128, 4 MoE layers, 64 experts of width 32, top-8 (more near-tie
 router, so more chances to flip).
 
     python tools/router_replay_bench.py [--models tiny,wide] [--rows 32] [--tokens 64]
-        [--dtype bfloat16]
+        [--dtype bfloat16] [--xla-default]
+
+`--xla-default` compiles the trainer's side under XLA's default options (bfloat16 kept in
+float32 across fused ops, as the sampler does not): a trainer that rounds unlike its sampler,
+as two different engines do.
 """
 
 from __future__ import annotations
@@ -102,8 +106,9 @@ def sample(model, rows: int, tokens: int, seed: int = 0) -> dict:
     return assemble_batch(gen, groups, rewards, version=0)
 
 
-def step_metrics(cfg, model, batch: dict) -> dict[str, float]:
-    """The step's metrics (prepare_batch + the gradient pass, no update) on `batch`."""
+def step_metrics(cfg, model, batch: dict, step_options: bool = True) -> dict[str, float]:
+    """The step's metrics (prepare_batch + the gradient pass, no update) on `batch`, compiled
+    with the train step's XLA options (`step_options`) or XLA's default."""
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     built = step_setup.build_step(cfg, model)
@@ -116,12 +121,13 @@ def step_metrics(cfg, model, batch: dict) -> dict[str, float]:
         return out | loss_metrics
 
     # the train step's XLA options: bfloat16 rounded as the sampler rounds it (models/kernels.py)
-    metrics = jax.jit(metrics, compiler_options=kernels.COMPILER_OPTIONS)
+    options = kernels.COMPILER_OPTIONS if step_options else None
+    metrics = jax.jit(metrics, compiler_options=options)
     out = metrics(built.state, device_batch, built.hparams, built.ref_params)
     return {k: float(out[k]) for k in REPORTED}
 
 
-def measure(folder, rows: int, tokens: int, dtype: str) -> dict:
+def measure(folder, rows: int, tokens: int, dtype: str, step_options: bool = True) -> dict:
     """{mode: metrics} of one recorded rollout on the model in `folder`."""
     record = config_for(folder, rows, tokens, dtype, "record_routing")
     model = load_policy(record.model)
@@ -129,7 +135,8 @@ def measure(folder, rows: int, tokens: int, dtype: str) -> dict:
     fed = int(((batch["expert_ids"][..., 0, 0] >= 0) & (batch["token_mask"] > 0)).sum())
     out = {"fed_tokens": fed}
     for mode in ("record_routing", "router_replay"):
-        out[mode] = step_metrics(config_for(folder, rows, tokens, dtype, mode), model, batch)
+        cfg = config_for(folder, rows, tokens, dtype, mode)
+        out[mode] = step_metrics(cfg, model, batch, step_options)
     return out
 
 
@@ -139,14 +146,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument(
+        "--xla-default",
+        action="store_true",
+        help="compile the trainer's side with XLA's default options, not the step's",
+    )
     args = ap.parse_args(argv)
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         builders = {"tiny": build_tiny_moe_model, "wide": build_wide_moe_model}
         for name in args.models.split(","):
             folder = builders[name](Path(tmp) / name)
-            report[name] = measure(folder, args.rows, args.tokens, args.dtype)
-    print(f"== router replay, {args.dtype} compute, {args.rows} rows x {args.tokens} tokens")
+            report[name] = measure(folder, args.rows, args.tokens, args.dtype, not args.xla_default)
+    options = "XLA's default options" if args.xla_default else "the step's XLA options"
+    print(
+        f"== router replay, {args.dtype} compute, {args.rows} rows x {args.tokens} tokens, "
+        f"trainer under {options}"
+    )
     print(f"{'model':6} {'fed':>5} {'mode':15} " + " ".join(f"{k:>30}" for k in REPORTED))
     for name, r in report.items():
         for mode in ("record_routing", "router_replay"):
