@@ -8,7 +8,8 @@ row first, into the first packed row with room for its tokens and its scored tok
 (i // M) mod K; packed rows likewise): an MoE model's router terms pool the same tokens. A
 packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions (0..L-1 = the
 row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored token, row by
-row in column order. The packed rows per minibatch are a multiple of
+row in column order (recorded `expert_ids` [R, W, l_moe, k] go with their tokens, -1
+elsewhere). The packed rows per minibatch are a multiple of
 `spec.row_quantum`, bucketed (`row_buckets`: at most 4 log2(n) + 1 counts). Device:
 `unpack_logprobs` reads [R, H] slot logprobs back to rows [B, T], 0 off token_mask, so
 losses.py sees the unpacked batch's arrays; `microbatch_of` says which microbatch holds a row.
@@ -82,6 +83,9 @@ class PackedLayout:
     scored: Any
     row: Any
     slot: Any
+    expert_ids: Any = None
+    """[R, W, l_moe, k] int16 the rows' recorded experts (TrainBatch.expert_ids) at their packed
+    positions, -1 elsewhere; None when the batch has none."""
 
     FIELDS: ClassVar[dict[str, str]] = {
         "input_ids": "rw",
@@ -100,7 +104,9 @@ class PackedLayout:
         return self.input_ids, self.positions, self.segment_ids, self.scored
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.FIELDS}
+        """The fields by name (expert_ids when present)."""
+        names = (*self.FIELDS, *(() if self.expert_ids is None else ("expert_ids",)))
+        return {name: getattr(self, name) for name in names}
 
 
 @struct.dataclass
@@ -111,16 +117,22 @@ class PackedBatch:
     layout: PackedLayout
 
     @classmethod
-    def abstract(cls, rows, tokens, packed_rows, width, scored_width, mesh=None) -> PackedBatch:
-        """ShapeDtypeStructs (batch-sharded over `mesh` if given) for lowering."""
+    def abstract(
+        cls, rows, tokens, packed_rows, width, scored_width, mesh=None, routing=None
+    ) -> PackedBatch:
+        """ShapeDtypeStructs (batch-sharded over `mesh` if given) for lowering; `routing` =
+        (l_moe, k): with recorded expert ids (TrainBatch.abstract)."""
         shapes = {"rw": (packed_rows, width), "rh": (packed_rows, scored_width), "b": (rows,)}
+        shapes["rwlk"] = (packed_rows, width, *(routing or ()))
 
-        def struct_of(axes):
-            shard = None if mesh is None else sharding.batch_sharding(mesh, len(axes))
-            return jax.ShapeDtypeStruct(shapes[axes], jnp.int32, sharding=shard)
+        def struct_of(axes, dtype=jnp.int32):
+            shard = None if mesh is None else sharding.batch_sharding(mesh, len(shapes[axes]))
+            return jax.ShapeDtypeStruct(shapes[axes], dtype, sharding=shard)
 
         layout = {name: struct_of(axes) for name, axes in PackedLayout.FIELDS.items()}
-        return cls(TrainBatch.abstract(rows, tokens, mesh), PackedLayout(**layout))
+        if routing is not None:
+            layout["expert_ids"] = struct_of("rwlk", TrainBatch.OPTIONAL["expert_ids"][1])
+        return cls(TrainBatch.abstract(rows, tokens, mesh, routing), PackedLayout(**layout))
 
     def shard(self, mesh) -> PackedBatch:
         """This process's rows and packed rows (numpy) -> global arrays over data x fsdp."""
@@ -210,6 +222,9 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
     arrays = {name: np.zeros((r, width), np.int32) for name in ("input_ids", "positions")}
     arrays["segment_ids"] = np.zeros((r, width), np.int32)
     arrays["scored"] = np.zeros((r, h), np.int32)
+    experts = host.get("expert_ids")
+    if experts is not None:
+        arrays["expert_ids"] = np.full((r, width, *experts.shape[2:]), -1, experts.dtype)
     row_b, slot_b = np.zeros(b, np.int32), np.zeros(b, np.int32)
     for start, plan in enumerate(plans):
         m, k = start % m_count, start // m_count
@@ -225,6 +240,8 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
             arrays["input_ids"][g, span] = host["input_ids"][i, cols]
             arrays["positions"][g, span] = np.arange(len(cols))
             arrays["segment_ids"][g, span] = segment
+            if experts is not None:
+                arrays["expert_ids"][g, span] = experts[i, cols]
             ranks = np.flatnonzero(scored_bt[i, cols])  # scored tokens among the real ones
             arrays["scored"][g, slot : slot + len(ranks)] = offset + ranks
     return PackedBatch(batch, PackedLayout(**arrays, row=row_b, slot=slot_b))

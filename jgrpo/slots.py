@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.draws import greedy_token, sample_token
+from jgrpo.models.moe import RECORDED_ID_DTYPE, expert_rows
 
 
 def decode_in_slots(
@@ -33,12 +34,15 @@ def decode_in_slots(
     segments,
     widths,
     path,
+    record=False,
 ):
     """The slot loop of `jgrpo.sampling.generate_padded` (spec.decode_slots S < the B rows):
     its arguments, less the prompt positions it computes per entering prompt, plus `segments`:
-    (end, attend_len) per decode segment, in order (the last one attends the whole cache), and
+    (end, attend_len) per decode segment, in order (the last one attends the whole cache),
     `widths`: the slot counts of the tail, S first (`sampling.compact_widths(S)` under
-    spec.compact, else (S,))."""
+    spec.compact, else (S,)). `record`: also return the experts of the fed tokens (`expert_ids`
+    [B, N, l_moe, k], column c = completion token c, and `prompt_expert_ids` [U, P, l_moe, k];
+    an MoE model)."""
     u, p = prompt_ids_up.shape
     b = row_ids_b.shape[0]
     group = b // u
@@ -59,9 +63,10 @@ def decode_in_slots(
             logits_kv, keys_k, temperature, top_p, spec.top_k, spec.nucleus, path=path
         )
 
-    def record(out, rows_k, i_k, logits_kv, live_k):
-        """Draw token i_k of rows rows_k (where live_k) and write it -> (out, token_k, ended_k)."""
-        tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = out
+    def record_token(out, rows_k, i_k, logits_kv, live_k, ids_lkk=None):
+        """Draw token i_k of rows rows_k (where live_k) and write it -> (out, token_k, ended_k);
+        ids_lkk: the experts of the fed token i_k - 1 (record)."""
+        tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b, *experts = out
         token_k, lp_k, flp_k = draw(rows_k, i_k, logits_kv)
         at_k = jnp.where(live_k, rows_k, b)  # out of range: dropped
         stop_k = jnp.isin(token_k, stops)
@@ -72,13 +77,21 @@ def decode_in_slots(
             lengths_b.at[at_k].set(i_k + 1, mode="drop"),
             stopped_b.at[at_k].set(stop_k, mode="drop"),
         )
-        return out, token_k, stop_k | (i_k + 1 >= n)
+        if experts and ids_lkk is not None:
+            completion = experts[0].at[at_k, i_k - 1].set(expert_rows(ids_lkk), mode="drop")
+            experts = [completion, *experts[1:]]
+        return (*out, *experts), token_k, stop_k | (i_k + 1 >= n)
 
     def prefill_prompt(prompt):
         """Prompt `prompt`'s (1 row) last logits and cache, staged for its rows."""
         ids_1p = jax.lax.dynamic_slice_in_dim(prompt_ids_up, prompt, 1)
         mask_1p = jnp.arange(p)[None, :] >= p - prompt_lengths_u[prompt]
         positions_1p = jnp.maximum(jnp.cumsum(mask_1p, axis=-1) - 1, 0)
+        if record:
+            logits_1v, cache_1, ids_l1pk = model.prefill_routed(
+                ids_1p, positions_1p, mask_1p, cache_len
+            )
+            return prompt, logits_1v, cache_1, expert_rows(ids_l1pk)
         logits_1v, cache_1 = model.prefill(
             ids_1p, positions_1p, mask_1p, cache_len, last_layer=layers[-1]
         )
@@ -92,7 +105,9 @@ def decode_in_slots(
         free_s = ~active_s
         prompt = next_row // group
         staged = jax.lax.cond(staged[0] == prompt, lambda: staged, lambda: prefill_prompt(prompt))
-        _, logits_1v, cache_1 = staged
+        _, logits_1v, cache_1 = staged[:3]
+        if record:  # the prompt's experts (written again by each of its entries: the same)
+            out = (*out[:6], out[6].at[prompt].set(staged[3][0]))
         take = jnp.minimum(jnp.sum(free_s), group - next_row % group)
         j_g = jnp.arange(group)
         live_g = j_g < take
@@ -105,7 +120,7 @@ def decode_in_slots(
         cache = jax.tree.map(put, cache, cache_1)
         logits_gv = jnp.broadcast_to(logits_1v, (group, logits_1v.shape[-1]))
         zero_g = jnp.zeros((group,), jnp.int32)
-        out, token_g, ended_g = record(out, rows_g, zero_g, logits_gv, live_g)
+        out, token_g, ended_g = record_token(out, rows_g, zero_g, logits_gv, live_g)
         slots = (
             row_s.at[slot_g].set(rows_g, mode="drop"),
             emitted_s.at[slot_g].set(1, mode="drop"),
@@ -136,6 +151,12 @@ def decode_in_slots(
         jnp.zeros((b,), jnp.int32),
         jnp.zeros((b,), jnp.bool_),
     )
+    if record:  # completion [b, n, l, k] and prompt [u, p, l, k] experts
+        lk = staged[3].shape[2:]
+        out += (
+            jnp.full((b, n, *lk), -1, RECORDED_ID_DTYPE),
+            jnp.full((u, p, *lk), -1, RECORDED_ID_DTYPE),
+        )
 
     def step(loop, attend_len):
         """One decode step of every slot: feed its last token, draw its next."""
@@ -144,10 +165,12 @@ def decode_in_slots(
         col_s = jnp.where(active_s, p + emitted_s - 1, p)  # free slots write where unread
         positions_s = jnp.where(active_s, plen_s + emitted_s - 1, 0)
         kv_mask_sl = jnp.arange(cache_len)[None, :] >= p - plen_s[:, None]
-        logits_sv, cache = model.decode_step(
-            layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len
-        )
-        out, token_s, ended_s = record(out, row_s, emitted_s, logits_sv, active_s)
+        args = (layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len)
+        if record:
+            logits_sv, cache, ids_lsk = model.decode_step_routed(*args)
+        else:
+            (logits_sv, cache), ids_lsk = model.decode_step(*args), None
+        out, token_s, ended_s = record_token(out, row_s, emitted_s, logits_sv, active_s, ids_lsk)
         slots = (row_s, emitted_s + 1, token_s, active_s & ~ended_s, plen_s)
         return t + 1, (next_row, staged, slots, cache, out)
 
@@ -198,7 +221,8 @@ def decode_in_slots(
     for level, width in enumerate(widths[1:], start=1):  # the tail (compact_decode)
         narrower = widths[level + 1] if level + 1 < len(widths) else 0
         t, state = run_segments((t, narrow(state, width)), narrower)
-    tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b = state[4]
+    tokens_bn, logprobs_bn, filtered_bn, lengths_b, stopped_b, *experts = state[4]
+    recorded = dict(expert_ids=experts[0], prompt_expert_ids=experts[1]) if record else {}
     return dict(
         tokens=tokens_bn,
         logprobs=logprobs_bn,
@@ -206,4 +230,5 @@ def decode_in_slots(
         lengths=lengths_b,
         truncated=~stopped_b,
         num_decode_steps=t - 1,
+        **recorded,
     )

@@ -144,12 +144,15 @@ class StepSetup:
         rows = self.cfg.grpo.batch_size if rows is None else rows
         ro = self.cfg.rollout
         tokens = ro.prompt_bucket + ro.max_new_tokens if tokens is None else tokens
+        routing = None  # recorded expert ids [.., l_moe, k] (flags.record_routing)
+        if self.flags.record_routing:
+            routing = (self.model_cfg.moe.num_sparse, self.model_cfg.moe.top_k)
         if self.pack_spec is None:
-            return TrainBatch.abstract(rows, tokens, self.mesh)
+            return TrainBatch.abstract(rows, tokens, self.mesh, routing)
         width = self.pack_spec.width or tokens
         packed_rows = rows if packed_rows is None else packed_rows
         h = self.pack_spec.scored_width
-        return packing.PackedBatch.abstract(rows, tokens, packed_rows, width, h, self.mesh)
+        return packing.PackedBatch.abstract(rows, tokens, packed_rows, width, h, self.mesh, routing)
 
     def device_batch(self, batch: TrainBatch):
         """This process's host rows -> the step's input on the mesh: checked
@@ -215,7 +218,7 @@ def build_step(
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
     shardings = TrainState(p_shard, opt_state_shardings(tx, params_abstract, p_shard, rep), rep)
-    flags = StepFlags.from_config(cfg, objective)
+    flags = StepFlags.from_config(cfg, objective, moe_model=isinstance(model, MoETransformer))
     dtype, ref = model.cfg.jnp_dtype, None
     if abstract:
         opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)

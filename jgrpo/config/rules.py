@@ -111,7 +111,7 @@ def validate(cfg: Config) -> Config:
     check_rollout(cfg)
     check_optim(cfg.optim)
     check_lora(cfg.model.lora)
-    check_moe(cfg.model.moe)
+    check_moe(cfg)
     check_mesh(cfg.mesh)
     check_dapo(cfg)
     check_evaluation(cfg)
@@ -416,13 +416,20 @@ def check_optim(opt: OptimConfig) -> None:
     )
 
 
-def check_moe(moe) -> None:
-    """model.moe: non-negative router loss weights; router replay is not implemented yet."""
+def check_moe(cfg: Config) -> None:
+    """model.moe: non-negative router loss weights; recorded routing (router replay) covers
+    single-turn rollouts only."""
+    moe = cfg.model.moe
     aux = moe.router_aux_loss_coef
     _require(aux is None or aux >= 0, f"model.moe.router_aux_loss_coef: must be >= 0, got {aux}")
     z = moe.router_z_loss_coef
     _require(z >= 0, f"model.moe.router_z_loss_coef: must be >= 0, got {z}")
-    _require(not moe.router_replay, "model.moe.router_replay: true is not supported yet")
+    key = "router_replay" if moe.router_replay else "record_routing"
+    _require(
+        not (moe.router_replay or moe.record_routing) or not needs_chat_turns(cfg),
+        f"model.moe.{key}: recorded routing covers single-turn rollouts only; allowed with "
+        "rollout.max_turns: 1 and no data.tools, data.environment or calculator task",
+    )
 
 
 def check_lora(lora: LoRAConfig) -> None:

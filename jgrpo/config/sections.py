@@ -55,7 +55,9 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
     router_replay: bool = False
-    """Train on the sampler's expert choice per token (reserved: not implemented yet)."""
+    """Train step routes each generated token to the experts the sampler recorded for it."""
+    record_routing: bool = False
+    """Record the sampler's experts for moe/routing_mismatch only, never replayed."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -79,7 +81,7 @@ class ModelConfig:
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
     moe: MoEConfig = MoEConfig()
-    """Router losses of Mixture-of-Experts models."""
+    """Router losses and router replay of Mixture-of-Experts models."""
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""

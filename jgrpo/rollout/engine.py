@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jgrpo import distributed, sampling
-from jgrpo.batch import TrainBatch
+from jgrpo.batch import TrainBatch, left_pad
 from jgrpo.config import Config, ConfigError
 from jgrpo.rollout import dapo, turns
 from jgrpo.rollout.conversation import ChatFormat
@@ -66,7 +66,8 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
         pad = width - b["input_ids"].shape[1]
         if pad:  # different prompt buckets: left-pad the narrower batch
             for key in PADDED_KEYS:
-                b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
+                if key in b:
+                    b[key] = left_pad(key, b[key], pad)
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     counts = {k: float(sum(r.stats[k] for r in results)) for k in failure_keys(results[0].stats)}
@@ -144,7 +145,8 @@ def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResul
     pad = width - batch["input_ids"].shape[1]
     if pad:
         for k in PADDED_KEYS:
-            batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
+            if k in batch:
+                batch[k] = left_pad(k, batch[k], pad)
     stats = gather_pod_rows(RolloutResult(batch, result.stats, [], result.reward_names)).stats
     return RolloutResult(batch, stats, result.samples, result.reward_names, result.failures)
 
@@ -203,16 +205,23 @@ class RolloutEngine:
         self._chat: ChatFormat | None = None
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        record = records_routing(cfg, model_cfg)
+        if record and self.multi_turn:
+            raise ConfigError(
+                "model.moe.router_replay / record_routing: recorded routing covers single-turn "
+                "rollouts only; set rollout.max_turns: 1 and no data.tools or data.environment"
+            )
         self.train_params = sampling.SamplingParams.from_rollout_config(
-            cfg.rollout, stop_token_ids=stops, pad_id=pad
+            cfg.rollout, stop_token_ids=stops, pad_id=pad, record_experts=record
         )
         self.greedy_params = dataclasses.replace(
-            self.train_params, temperature=0.0, top_p=1.0, top_k=None
+            self.train_params, temperature=0.0, top_p=1.0, top_k=None, record_experts=False
         )
         val_t = cfg.rollout.val_temperature
         self.val_params = self.train_params
         if val_t is not None:  # validation samples (not greedy) at rollout.val_temperature
             self.val_params = dataclasses.replace(self.train_params, temperature=val_t)
+        self.val_params = dataclasses.replace(self.val_params, record_experts=False)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - prompts repeat across epochs
     def _encode(self, text: str) -> tuple[int, ...]:
@@ -379,6 +388,13 @@ class RolloutEngine:
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
 
+def records_routing(cfg: Config, model_cfg) -> bool:
+    """The training rollouts record each fed token's experts: an MoE model (model_cfg.moe) with
+    model.moe.router_replay or model.moe.record_routing."""
+    moe = cfg.model.moe
+    return hasattr(model_cfg, "moe") and (moe.router_replay or moe.record_routing)
+
+
 def vote_ids(votes) -> np.ndarray:
     """int64[B] a number per distinct answer string (crc32; -1 = no answer): maj@n's input,
     numeric so it travels with the batch (Ray, pods)."""
@@ -399,7 +415,8 @@ def assemble_batch(gen, rows, rewards, version: int, generated=None) -> dict:
     gen_mask = np.arange(n)[None, :] < gen.lengths[:, None]
     loss_mask = gen_mask if generated is None else gen_mask & generated
     token_mask = np.concatenate([np.zeros((b, p), bool), loss_mask], axis=1)
-    return {
+    recorded = {} if gen.expert_ids is None else {"expert_ids": gen.expert_ids}
+    return recorded | {
         "input_ids": np.concatenate([gen.prompt_tokens, gen.tokens], axis=1).astype(np.int32),
         "attention_mask": np.concatenate([prompt_mask, gen_mask], axis=1).astype(np.float32),
         "token_mask": token_mask.astype(np.float32),
