@@ -97,3 +97,88 @@ def test_switch_picks_cudnn_decode_only_on_cuda(monkeypatch):
     )
     assert calls[-1]["implementation"] == "cudnn"
     assert calls[-1]["key_value_seq_lengths"].tolist() == [4, 4]
+
+
+def _bisection_only(x_bv, top_p, path=None):
+    """The top-p threshold as the sampler found it before: bisection for every row."""
+    from jgrpo import draws
+
+    probs_bv = jax.nn.softmax(x_bv, axis=-1)
+    return draws._bisect_threshold(x_bv, draws._order_keys(x_bv), probs_bv, top_p)
+
+
+def _logit_rows(rng, b, v):
+    """Rows whose nuclei span 1 token to most of the vocabulary: peaked (Zipf-like, as a
+    language model's), flat, and with ties at the top."""
+    ranks = np.argsort(rng.rand(b, v), axis=-1) + 1
+    slope = rng.choice([0.3, 1.0, 2.0, 4.0, 8.0], size=(b, 1))
+    x = -slope * np.log(ranks) + 0.05 * rng.randn(b, v)
+    x[rng.rand(b) < 0.2] = rng.randn(v) * 0.1  # flat rows
+    tied = rng.rand(b) < 0.2
+    x[tied] = np.round(x[tied], 1)  # ties, also among the 16 largest
+    return x.astype(np.float32)
+
+
+def test_nucleus_threshold_without_sort_is_the_bisection_exactly():
+    """The portable path's top-16 + check + fallback threshold equals the bisection's for
+    every row (bit for bit) over 8 batches of mixed rows, and each of its three branches runs
+    (no row wrong, a few rows bisected, every row bisected); checked against a float64
+    reference (the largest value whose mass reaches top_p)."""
+    from jgrpo import draws
+
+    threshold = jax.jit(draws._nucleus_threshold, static_argnums=2)
+    reference = jax.jit(_bisection_only)
+    rng = np.random.RandomState(0)
+    branches = set()
+    b, v = 16, 512
+    for trial in range(8):
+        x = _logit_rows(rng, b, v)
+        if trial % 4 == 0:  # every row peaked: the top 16 hold every nucleus
+            x = (-6.0 * np.log(np.argsort(rng.rand(b, v), -1) + 1)).astype(np.float32)
+        top_p = np.float32(rng.choice([0.1, 0.5, 0.9, 0.95, 0.999]))
+        for temperature in (0.7, 1.0, 1.5):
+            scaled = jnp.asarray(x) / np.float32(temperature)
+            got = np.asarray(threshold(scaled, top_p, "portable"))
+            np.testing.assert_array_equal(got, np.asarray(reference(scaled, top_p)))
+            # independent check: float64 sort, the largest value whose mass reaches top_p
+            s = np.asarray(scaled, np.float64)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            for row in range(b):
+                mass = np.array([p[row][s[row] >= t].sum() for t in got[row]])
+                assert mass[0] >= top_p - 1e-6
+                above = s[row][s[row] > got[row, 0]]
+                if above.size:
+                    assert p[row][s[row] >= above.min()].sum() < top_p + 1e-6
+            # which branch ran: rows the top 16 cannot settle
+            top16 = np.sort(s, -1)[:, ::-1][:, :16]
+            wrong = (p[:, None] * (s[:, None] >= top16[:, :, None])).sum(-1).max(-1) < top_p
+            branches.add(0 if not wrong.any() else (1 if wrong.sum() <= max(1, b // 8) else 2))
+    assert branches == {0, 1, 2}
+
+
+@pytest.mark.heavy  # the fast proof: test_nucleus_threshold_without_sort_is_the_bisection_exactly
+def test_top_p_draws_the_tokens_of_the_bisection(monkeypatch):
+    """The portable path's sample_token (top-16 threshold) draws exactly the tokens (and
+    logprobs) it drew with the bisection for every row, for the same keys, over seeds,
+    temperatures and top_p."""
+    path = "portable"
+    from jgrpo import draws
+
+    rng = np.random.RandomState(1)
+    x = jnp.asarray(_logit_rows(rng, 32, 1024))
+    runs = []
+    for impl in (draws._nucleus_threshold, _bisection_only):
+        monkeypatch.setattr(draws, "_nucleus_threshold", impl)
+        draw = jax.jit(draws.sample_token, static_argnames=("top_k", "nucleus", "path"))
+        out = []
+        for seed in range(2):
+            keys = jax.random.split(jax.random.key(seed), 32)
+            for temperature in (0.6, 1.0):
+                for top_p in (0.3, 0.9, 0.99):
+                    t, lp, flp = draw(
+                        x, keys, np.float32(temperature), np.float32(top_p), None, True, path=path
+                    )
+                    out.append(np.stack([np.asarray(t, np.float32), lp, flp]))
+        runs.append(np.stack(out))
+    np.testing.assert_array_equal(runs[0], runs[1])
