@@ -236,6 +236,7 @@ def _generate_padded(
     path = resolve_kernels(model.cfg.kernels)
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
+    head_dv = model.head_weights()  # likewise (the tied head: the embedding transposed)
     if spec.decode_slots is not None:
         return decode_in_slots(
             model,
@@ -330,7 +331,7 @@ def _generate_padded(
                 rows_w, plen_w, kv_mask_ws = rows
                 slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
                 logits_wv, cache = model.decode_step(
-                    layers, token_w, plen_w + i - 1, kv_mask_ws, cache, slot, attend_len
+                    layers, token_w, plen_w + i - 1, kv_mask_ws, cache, slot, attend_len, head_dv
                 )
                 out, token_w = emit(i, logits_wv, out, rows_w)
                 return i + 1, cache, token_w, out

@@ -44,6 +44,7 @@ def decode_in_slots(
     group = b // u
     n = spec.max_new_tokens
     num_slots = spec.decode_slots
+    head_dv = model.head_weights()  # once per call, outside the loop (as `layers`)
     stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     if not spec.greedy:
         temperature = jnp.asarray(temperature, jnp.float32)
@@ -145,7 +146,7 @@ def decode_in_slots(
         positions_s = jnp.where(active_s, plen_s + emitted_s - 1, 0)
         kv_mask_sl = jnp.arange(cache_len)[None, :] >= p - plen_s[:, None]
         logits_sv, cache = model.decode_step(
-            layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len
+            layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len, head_dv
         )
         out, token_s, ended_s = record(out, row_s, emitted_s, logits_sv, active_s)
         slots = (row_s, emitted_s + 1, token_s, active_s & ~ended_s, plen_s)

@@ -182,3 +182,59 @@ def test_top_p_draws_the_tokens_of_the_bisection(monkeypatch):
                     out.append(np.stack([np.asarray(t, np.float32), lp, flp]))
         runs.append(np.stack(out))
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+WEIGHT_WORK = {"convert_element_type", "transpose", "reshape", "concatenate", "slice", "copy"}
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("path", ["cpu", "portable"])
+def test_decode_loops_do_no_per_step_weight_work(path):
+    """In the one-batch decode loops (every row, or compacting as rows stop), the while body
+    uses the weights only as they enter it: no cast, transpose, reshape, slice or concat
+    of an array of a weight's shape (layer_weights() and head_weights() are taken once per
+    call, before the loop); the tied LM head's transpose among them (it was in the body)."""
+    from flax import nnx
+
+    from jgrpo import sampling
+    from jgrpo.models import Transformer, TransformerConfig
+    from jgrpo.models.tiny import tiny_model_fields
+
+    fields = {**tiny_model_fields(width=64, vocab_size=256), "family": "qwen2"}
+    fields |= {"attention_bias": True, "tie_word_embeddings": True, "kernels": path}
+    cfg = TransformerConfig(**fields | {"dtype": "bfloat16", "param_dtype": "float32"})
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    shapes = {model.embed[...].shape}  # and each layer's weight matrices, as decode takes them
+    shapes |= {w.shape for layer in model.layer_weights() for w in layer.values() if w.ndim >= 2}
+    shapes |= {s[::-1] for s in shapes if len(s) == 2}
+    ids, lengths = sampling.pad_prompts([[1, 2, 3], [4, 5], [6]], 8, 0)  # 3 rows: no clash
+    # not the decode-slot loop: its body prefills refilled slots, and prefill casts each
+    # stacked layer as it scans them (docs/performance.md, "Ready for the GPU")
+    loops = {"one batch": {}, "compact": {"compact_decode": True}}
+    for name, extra in loops.items():
+        params = sampling.SamplingParams(max_new_tokens=8, top_p=0.9, prompt_bucket=8, **extra)
+        spec = sampling.make_decode_spec(cfg, params)
+        run = lambda m, ids, lengths, rows, spec=spec: sampling._generate_padded(
+            m, ids, lengths, jax.random.key(0), 1.0, 0.9, rows, spec=spec
+        )
+        jaxpr = jax.make_jaxpr(run)(model, ids, lengths, np.arange(3, dtype=np.int32))
+        bodies = [
+            e.params["body_jaxpr"].jaxpr for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "while"
+        ]
+        assert bodies, name
+        work = [
+            (e.primitive.name, v.aval.shape)
+            for body in bodies
+            for e in _eqns(body)
+            if e.primitive.name in WEIGHT_WORK
+            for v in e.invars
+            if hasattr(v, "aval") and getattr(v.aval, "shape", None) in shapes
+        ]
+        assert not work, (name, work)
