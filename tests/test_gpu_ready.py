@@ -238,3 +238,47 @@ def test_decode_loops_do_no_per_step_weight_work(path):
             if hasattr(v, "aval") and getattr(v.aval, "shape", None) in shapes
         ]
         assert not work, (name, work)
+
+
+def test_xla_gpu_flags_only_on_gpu_and_as_documented(monkeypatch):
+    """The launcher's XLA flags: nothing changes on this CPU machine (nor where JAX_PLATFORMS
+    names no GPU), on GPU the set docs/performance.md lists is added, and a flag the user set
+    keeps the user's value."""
+    import re
+    from pathlib import Path
+
+    from jgrpo import xla_flags
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    assert not xla_flags.gpu_visible(env) and xla_flags.set_gpu_flags(env) == ()
+    assert env == {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    assert not xla_flags.gpu_visible({"JAX_PLATFORMS": "cpu"})
+    # a GPU process whose backend has not started yet
+    monkeypatch.setattr(xla_flags, "_backend_started", lambda: False)
+    env = {"XLA_FLAGS": "--xla_gpu_triton_gemm_any=false"}
+    added = xla_flags.set_gpu_flags(env, gpu=True)
+    assert added == ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+    assert env["XLA_FLAGS"].split() == ["--xla_gpu_triton_gemm_any=false", *added]
+    env = {}
+    assert xla_flags.set_gpu_flags(env, gpu=True) == xla_flags.GPU_FLAGS
+    assert env["XLA_FLAGS"].split() == list(xla_flags.GPU_FLAGS)
+    # docs/performance.md's GPU section lists exactly this set
+    page = (Path(__file__).resolve().parents[1] / "docs" / "performance.md").read_text()
+    section = page.split("### XLA flags on GPU", 1)[1].split("\n#", 1)[0]
+    assert set(re.findall(r"`(--xla_gpu_[a-z_]+=\w+)`", section)) == set(xla_flags.GPU_FLAGS)
+
+
+@pytest.mark.heavy  # make test: test_xla_gpu_flags_only_on_gpu_and_as_documented
+def test_xla_gpu_flags_exist_in_this_jaxlib():
+    """XLA aborts on a flag it does not know: a process started with GPU_FLAGS runs (the flags
+    are registered on every backend), so a jaxlib that renamed one fails here, not on a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from jgrpo import xla_flags
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(xla_flags.GPU_FLAGS)}
+    code = "import jax, jax.numpy as jnp; print(int(jnp.ones(3).sum()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "3", proc.stderr[-2000:]
