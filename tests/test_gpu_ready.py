@@ -282,31 +282,3 @@ def test_xla_gpu_flags_exist_in_this_jaxlib():
     code = "import jax, jax.numpy as jnp; print(int(jnp.ones(3).sum()))"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == "3", proc.stderr[-2000:]
-
-
-def test_weight_pack_is_one_array_and_bit_exact():
-    """The weight publish's batched transfer: a model's parameter tree (bf16 and float32
-    leaves, NaN payloads and -0.0 included) and integer leaves become one uint8 array of their
-    total bytes, and unpack to the same tree bit for bit, on the device."""
-    from flax import nnx
-
-    from jgrpo.models import Transformer, TransformerConfig
-    from jgrpo.models.tiny import tiny_model_fields
-    from jgrpo.rollout.weight_pack import pack_weights, unpack_weights
-
-    cfg = TransformerConfig(**tiny_model_fields(), param_dtype="bfloat16")
-    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
-    odd = np.array([np.nan, -0.0, np.inf, 1e-40], np.float32)
-    odd[0] = np.frombuffer(np.uint32(0x7FC00123).tobytes(), np.float32)[0]  # a NaN payload
-    tree = {"params": params, "odd": jnp.asarray(odd), "count": np.arange(3, dtype=np.int32)}
-    packed = pack_weights(tree)
-    leaves = jax.tree.leaves(tree)
-    assert packed.data.dtype == np.uint8 and packed.data.ndim == 1
-    assert packed.nbytes == sum(np.asarray(x).nbytes for x in leaves)
-    out = unpack_weights(packed)
-    assert jax.tree.structure(out) == jax.tree.structure(tree)
-    for want, got in zip(leaves, jax.tree.leaves(out)):
-        assert isinstance(got, jax.Array) and got.dtype == want.dtype
-        np.testing.assert_array_equal(
-            np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
-        )

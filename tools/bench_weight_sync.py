@@ -4,11 +4,12 @@
 
 A random SmolLM2-135M-shaped parameter tree (`--tiny`: the tiny test model) on this process's
 default device, a local Ray cluster (one CPU). Two arms, interleaved per round, medians:
-- per leaf (before): `jax.device_get(tree)` (one device->host copy per leaf), `ray.put(tree)`;
-  the pull: `ray.get` + `jax.device_put(tree)` (one host->device copy per leaf);
-- packed (`jgrpo.rollout.weight_pack`, what `RayBackend.publish` runs): one concatenation into
-  a byte array on the device, one device->host copy, `ray.put`; the pull: `ray.get`, one
-  host->device copy, split on the device.
+- per leaf (what `RayRollout.publish` runs): `jax.device_get(tree)` (one device->host copy
+  per leaf, all started before any is waited for), one `ray.put` of the whole tree; the pull:
+  `ray.get` + `jax.device_put(tree)` (one host->device copy per leaf);
+- packed (the alternative measured, not adopted: docs/performance.md): every leaf bitcast to
+  bytes and concatenated into one array on the device, one device->host copy, `ray.put`; the
+  pull: `ray.get`, one host->device copy, split on the device.
 publish = the trainer's `perf/weight_sync_s`; pull = a worker's `rollout/weight_pull_s` (here
 pulled by the driver from the same node's object store, as a worker on the trainer's node is).
 """
@@ -16,16 +17,59 @@ pulled by the driver from the same node's object store, as a worker on the train
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import math
 import statistics
 import time
+from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import ray
 from flax import nnx
 
 from jgrpo.models import Transformer, TransformerConfig
 from jgrpo.models.tiny import tiny_model_fields
-from jgrpo.rollout.weight_pack import pack_weights, unpack_weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A parameter tree as one host uint8 array, and where each leaf lies in it."""
+
+    data: np.ndarray
+    treedef: Any
+    leaves: tuple  # (shape, dtype name) per leaf, in order
+
+
+@jax.jit
+def _concat_bytes(leaves):
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves])
+
+
+def pack_weights(tree) -> Packed:
+    leaves, treedef = jax.tree.flatten(tree)
+    layout = tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves)
+    return Packed(np.asarray(jax.device_get(_concat_bytes(leaves))), treedef, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _split_bytes(data, treedef, layout):
+    leaves, offset = [], 0
+    for shape, dtype in layout:
+        itemsize = jnp.dtype(dtype).itemsize
+        size = math.prod(shape) * itemsize
+        chunk = jax.lax.slice_in_dim(data, offset, offset + size)
+        chunk = chunk.reshape(shape if itemsize == 1 else (*shape, itemsize))
+        leaves.append(jax.lax.bitcast_convert_type(chunk, jnp.dtype(dtype)))
+        offset += size
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def unpack_weights(packed: Packed):
+    return _split_bytes(jax.device_put(packed.data), packed.treedef, packed.leaves)
+
 
 SMOLLM2 = dict(
     family="llama",

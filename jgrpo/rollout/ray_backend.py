@@ -38,7 +38,6 @@ from jgrpo.rollout.engine import (
     step_key,
     train_salt,
 )
-from jgrpo.rollout.weight_pack import PackedWeights, pack_weights, unpack_weights
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks.child import report_failures
 
@@ -198,13 +197,12 @@ class WeightBroker:
 
 
 def pull_weights(box: list):
-    """A worker's device copy of published weights: one packed object (one trainer process:
-    one host-to-device copy, split on the device), or a broker answer, one ref per trainer
-    process, whose shards it assembles on the host (a pod)."""
+    """A worker's host copy of published weights: the tree itself (one trainer process), or a
+    broker answer, one ref per trainer process, whose shards it assembles (a pod)."""
     value = ray.get(box[0])
-    if isinstance(value, PackedWeights):
-        return unpack_weights(value)
-    return jax.device_put(assemble_shards(ray.get(value)))
+    if isinstance(value, list):
+        return assemble_shards(ray.get(value))
+    return value
 
 
 BROKER_NAMESPACE = "jgrpo"
@@ -231,12 +229,12 @@ class RolloutWorker:
         pull_s = 0.0
         if frozen_box is not None and self.frozen is None:
             start = time.perf_counter()
-            self.frozen = jax.block_until_ready(pull_weights(frozen_box))
+            self.frozen = jax.block_until_ready(jax.device_put(pull_weights(frozen_box)))
             pull_s += time.perf_counter() - start
         if version != self.version:
             start = time.perf_counter()
             self.params = None  # free the old copy before the new one lands
-            self.params = jax.block_until_ready(pull_weights(params_box))
+            self.params = jax.block_until_ready(jax.device_put(pull_weights(params_box)))
             self.version = version
             pull_s += time.perf_counter() - start
         start = time.perf_counter()
@@ -328,25 +326,24 @@ class RayRollout:
     # ------------------------------------------------------------------------- protocol
 
     def publish(self, params, version: int) -> dict[str, float]:
-        """Pack `params` into one byte array on the device, copy it to the host in one transfer
-        and put one object for the workers to pull (`weight_pack`; the frozen base likewise,
-        on the first publish only). On a pod: this process's shards only."""
+        """Host-gather `params` once and put one object for the workers to pull (and the
+        frozen base, on the first publish only). On a pod: this process's shards only."""
         if self._latest is not None and version <= self._latest[0]:
             raise ValueError(f"publish: version {version} after version {self._latest[0]}")
         if self.pod:
             return self._publish_shards(params, version)
         start = time.perf_counter()
-        host = pack_weights(params)
+        host = jax.device_get(params)
         frozen_host = None
         if self._frozen is not None and self._frozen_ref is None:
-            frozen_host = pack_weights(self._frozen)
+            frozen_host = jax.device_get(self._frozen)
         gathered = time.perf_counter()
         if frozen_host is not None:
             self._frozen_ref = ray.put(frozen_host)
         self._latest = (version, ray.put(host))
         done = time.perf_counter()
         self._pump()
-        nbytes = host.nbytes + (0 if frozen_host is None else frozen_host.nbytes)
+        nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves((host, frozen_host)))
         return self._sync_metrics(start, gathered, done, nbytes)
 
     def _sync_metrics(self, start: float, gathered: float, done: float, nbytes: int) -> dict:
