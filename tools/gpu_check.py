@@ -270,25 +270,17 @@ def check_recipe(
         "tokens_per_s": float(gen.lengths.sum()) / seconds,
     }
     out["grpo_step_s"] = seconds + step_s
-    group_ids = np.repeat(np.arange(g.num_prompts_per_step), g.num_generations_per_prompt)
-    rewards = rng.rand(g.batch_size).astype(np.float32)
-    sampled = built.device_batch(
-        TrainBatch.from_mapping(assemble_batch(gen, group_ids, rewards, 0))
-    )
-    state, metrics = built.step_fn(state, sampled, *args)  # the same shape: no compile
-    out["token_mult_prob_error"] = float(metrics["logprob/token_mult_prob_error"])
-
     if decode is not None:
         rows, p, n = decode["rows"], decode["prompt_len"], decode["new_tokens"]
         prompts = [list(rng.randint(1, model_cfg.vocab_size, p)) for _ in range(rows)]
         params = sampling.SamplingParams(
             max_new_tokens=n, temperature=1.0, prompt_bucket=p, ignore_eos=True
         )
-        gen, first, seconds = timed_generate(model, prompts, params, 1)
+        decoded, first, seconds = timed_generate(model, prompts, params, 1)
         num_params = sum(x.size for x in jax.tree.leaves(model[1]))
         step_bytes = decode_step_bytes(built.model_cfg, num_params, rows, p, n)
         roofline = roofline_tokens_per_s(step_bytes, rows, HBM_BYTES_PER_S.get(chip))
-        tokens_per_s = float(gen.lengths.sum()) / seconds
+        tokens_per_s = float(decoded.lengths.sum()) / seconds
         out["decode"] = {
             **decode,
             "seconds": seconds,
@@ -298,6 +290,16 @@ def check_recipe(
             "roofline_tokens_per_s": roofline,
             "roofline_fraction": None if roofline is None else tokens_per_s / roofline,
         }
+    # the recipe's rollout scored by the trainer
+    group_ids = np.repeat(np.arange(g.num_prompts_per_step), g.num_generations_per_prompt)
+    rewards = rng.rand(g.batch_size).astype(np.float32)
+    sampled = built.device_batch(
+        TrainBatch.from_mapping(assemble_batch(gen, group_ids, rewards, 0))
+    )
+    # last: the step donates the state, whose parameters the sampler's `model` holds
+    state, metrics = built.step_fn(state, sampled, *args)  # packed as the timed steps were
+    out["token_mult_prob_error"] = float(metrics["logprob/token_mult_prob_error"])
+
     del state, built, model
     return out
 
