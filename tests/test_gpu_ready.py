@@ -217,7 +217,7 @@ def test_decode_loops_do_no_per_step_weight_work(path):
     ids, lengths = sampling.pad_prompts([[1, 2, 3], [4, 5], [6]], 8, 0)  # 3 rows: no clash
     # not the decode-slot loop: its body prefills refilled slots, and prefill casts each
     # stacked layer as it scans them (docs/performance.md, "Ready for the GPU")
-    loops = {"one batch": {}, "compact": {"compact_decode": True}}
+    loops = {"one batch": {"compact_decode": False}, "compact": {"compact_decode": True}}
     for name, extra in loops.items():
         params = sampling.SamplingParams(max_new_tokens=8, top_p=0.9, prompt_bucket=8, **extra)
         spec = sampling.make_decode_spec(cfg, params)
