@@ -210,9 +210,10 @@ def test_decode_loops_do_no_per_step_weight_work(path):
     fields = {**tiny_model_fields(width=64, vocab_size=256), "family": "qwen2"}
     fields |= {"attention_bias": True, "tie_word_embeddings": True, "kernels": path}
     cfg = TransformerConfig(**fields | {"dtype": "bfloat16", "param_dtype": "float32"})
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    shapes = {model.embed[...].shape}  # and each layer's weight matrices, as decode takes them
-    shapes |= {w.shape for layer in model.layer_weights() for w in layer.values() if w.ndim >= 2}
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))  # shapes only
+    shapes = {model.embed.value.shape}  # and each layer's weight matrices, as decode takes them
+    layers = jax.eval_shape(lambda m: m.layer_weights(), model)
+    shapes |= {w.shape for layer in layers for w in layer.values() if w.ndim >= 2}
     shapes |= {s[::-1] for s in shapes if len(s) == 2}
     ids, lengths = sampling.pad_prompts([[1, 2, 3], [4, 5], [6]], 8, 0)  # 3 rows: no clash
     # not the decode-slot loop: its body prefills refilled slots, and prefill casts each
