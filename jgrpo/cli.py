@@ -235,6 +235,9 @@ def _dispatch(args) -> int:
         memory = parse_device_memory(args.device_memory)
     quiet = ["logging.progress_bar=false"] if args.quiet and args.command in TRAINS else []
     cfg = load_config(args.config, [*args.overrides, *quiet])
+    from jgrpo.xla_flags import set_gpu_flags
+
+    set_gpu_flags()  # on GPU only; before anything starts a JAX backend
     if args.command == "inspect-step":
         from jgrpo.inspect_report import device_fit, format_report
         from jgrpo.inspect_step import inspect_step

@@ -249,6 +249,7 @@ def _generate_padded(
         raise ValueError(f"record_experts: {model.cfg.moe.num_experts} experts exceed int16 ids")
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
+    head_dv = model.head_weights()  # likewise (the tied head: the embedding transposed)
     if spec.decode_slots is not None:
         return decode_in_slots(
             model,
@@ -356,7 +357,16 @@ def _generate_padded(
                 i, cache, token_w, out = loop
                 rows_w, plen_w, kv_mask_ws = rows
                 slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
-                args = (layers, token_w, plen_w + i - 1, kv_mask_ws, cache, slot, attend_len)
+                args = (
+                    layers,
+                    token_w,
+                    plen_w + i - 1,
+                    kv_mask_ws,
+                    cache,
+                    slot,
+                    attend_len,
+                    head_dv,
+                )
                 if record:
                     logits_wv, cache, ids_lwk = model.decode_step_routed(*args)
                 else:

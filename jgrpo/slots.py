@@ -48,6 +48,7 @@ def decode_in_slots(
     group = b // u
     n = spec.max_new_tokens
     num_slots = spec.decode_slots
+    head_dv = model.head_weights()  # once per call, outside the loop (as `layers`)
     stops = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     if not spec.greedy:
         temperature = jnp.asarray(temperature, jnp.float32)
@@ -165,7 +166,7 @@ def decode_in_slots(
         col_s = jnp.where(active_s, p + emitted_s - 1, p)  # free slots write where unread
         positions_s = jnp.where(active_s, plen_s + emitted_s - 1, 0)
         kv_mask_sl = jnp.arange(cache_len)[None, :] >= p - plen_s[:, None]
-        args = (layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len)
+        args = (layers, token_s, positions_s, kv_mask_sl, cache, col_s, attend_len, head_dv)
         if record:
             logits_sv, cache, ids_lsk = model.decode_step_routed(*args)
         else:

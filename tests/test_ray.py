@@ -149,7 +149,7 @@ def test_sync_matches_local_backend(folder, versions, local_results):
     try:
         for step, examples in enumerate(examples_for(cfg, 3)):
             metrics = backend.publish(versions[step], step)
-            assert metrics["rollout/weight_sync_s"] >= 0 and metrics["rollout/weight_mb"] > 0
+            assert metrics["perf/weight_sync_s"] >= 0 and metrics["rollout/weight_mb"] > 0
             backend.request(step, examples)
             got = backend.collect(step)
             assert_same_rows(got, want[step])
@@ -435,7 +435,7 @@ def test_run_sync_ray_matches_local_run(tmp_path, local_run):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=1")
     assert_same_metrics(rows, local_run)
     assert all(r["rollout/staleness_max"] == 0.0 for r in rows[1:])
-    assert all(r["rollout/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
+    assert all(r["perf/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
 
 
 @pytest.mark.heavy  # make test: test_async_staleness_bound (the backend)

@@ -158,7 +158,7 @@ PHASES = {
     "  detokenize": "perf/detokenize_s",
     "  reward": "perf/reward_s",
     "train": "perf/train_s",
-    "weight sync": "rollout/weight_sync_s",
+    "weight sync": "perf/weight_sync_s",
 }
 
 
@@ -214,7 +214,7 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
                 r["perf/step_s"]
                 - r["perf/generation_s"]
                 - r["perf/train_s"]
-                - r.get("rollout/weight_sync_s", 0.0)
+                - r.get("perf/weight_sync_s", 0.0)
                 for r in rows
             ]
         )

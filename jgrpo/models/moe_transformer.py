@@ -372,15 +372,24 @@ class MoETransformer(Transformer):
         cache: KVCache,
         slot,
         attend_len: Optional[int] = None,
+        head_dv=None,
     ):
         """As Transformer's."""
         logits_bv, cache, _ = self.decode_step_routed(
-            layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len
+            layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len, head_dv
         )
         return logits_bv, cache
 
     def decode_step_routed(
-        self, layers, token_b, positions_b, kv_mask_bs, cache: KVCache, slot, attend_len=None
+        self,
+        layers,
+        token_b,
+        positions_b,
+        kv_mask_bs,
+        cache: KVCache,
+        slot,
+        attend_len=None,
+        head_dv=None,
     ):
         """`decode_step` -> (logits_bv, cache, expert ids [l_moe, b, k] of the fed token)."""
         cfg = self.cfg
@@ -407,4 +416,4 @@ class MoETransformer(Transformer):
             if sparse:
                 ids.append(routing.expert_ids_tk)
         ids_lbk = jnp.stack(ids) if ids else None
-        return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values)), ids_lbk
+        return self._logits(x_b1d, head_dv)[:, 0], KVCache(tuple(keys), tuple(values)), ids_lbk

@@ -340,9 +340,15 @@ class Transformer(nnx.Module):
     def _final_norm(self, x_btd):
         return rms_norm(x_btd, self.final_norm[...].astype(x_btd.dtype), self.cfg.rms_norm_eps)
 
-    def _logits(self, x_btd):
-        """Final norm + LM head -> float32 logits (matmul inputs in the compute dtype)."""
-        head_dv = self._head().astype(self.cfg.jnp_dtype)
+    def head_weights(self):
+        """The LM head [d, v] in the compute dtype (the tied head: the embedding transposed):
+        what `decode_step` takes as `head_dv`, taken once per generate call, outside the loop."""
+        return self._head().astype(self.cfg.jnp_dtype)
+
+    def _logits(self, x_btd, head_dv=None):
+        """Final norm + LM head (`head_weights()` unless given) -> float32 logits (matmul
+        inputs in the compute dtype)."""
+        head_dv = self.head_weights() if head_dv is None else head_dv
         return jnp.einsum(
             "btd,dv->btv", self._final_norm(x_btd), head_dv, preferred_element_type=jnp.float32
         )
@@ -572,6 +578,7 @@ class Transformer(nnx.Module):
         cache: KVCache,
         slot,
         attend_len: Optional[int] = None,
+        head_dv=None,
     ):
         """Forward one token per row against the cache -> (logits_bv, updated cache).
 
@@ -580,7 +587,8 @@ class Transformer(nnx.Module):
         place in a loop carry; a [b] array `slot` gives each row its own column: a scatter).
         Positions must be < the number of cache slots (a token's slot bounds it). `attend_len`
         (static) limits attention to cache slots [0, attend_len): the caller promises no slot
-        past it is wanted yet (the sampler decodes in segments: early tokens read less)."""
+        past it is wanted yet (the sampler decodes in segments: early tokens read less).
+        `head_dv`: `self.head_weights()`, taken outside the decode loop (else: each step)."""
         cfg = self.cfg
         path = resolve_kernels(cfg.kernels)
         num_slots = _kernels.cache_slots(cache.keys[0], path)
@@ -601,4 +609,4 @@ class Transformer(nnx.Module):
             keys.append(k_cache)
             values.append(v_cache)
             x_b1d = _layer_out(p, cfg, x_b1d, out_b1nh)
-        return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
+        return self._logits(x_b1d, head_dv)[:, 0], KVCache(tuple(keys), tuple(values))
