@@ -255,6 +255,11 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+    agent: Union[str, Callable[..., Any], None] = None
+    """`module:function`, an `async def agent(client, record) -> reward | dict | None` (or the
+    function) that runs each rollout against jgrpo's OpenAI-compatible endpoint (docs/agents.md)."""
+    agent_timeout_s: float = 300.0
+    """An agent's whole rollout running past this fails (counted; its rollout holds no sample)."""
 
     @property
     def wraps_string_prompts(self) -> bool:
@@ -266,6 +271,11 @@ class DataConfig:
         if self.use_chat_template is not None:
             return self.use_chat_template
         return self.task != "prompts" or bool(self.tools) or self.environment is not None
+
+    @property
+    def has_agent(self) -> bool:
+        """The rollouts are run by data.agent (jgrpo.rollout.agent_rollout)."""
+        return self.agent is not None
 
 
 @dataclasses.dataclass(**_FROZEN)

@@ -28,7 +28,7 @@ import numpy as np
 from jgrpo import distributed, sampling
 from jgrpo.batch import TrainBatch, left_pad
 from jgrpo.config import Config, ConfigError
-from jgrpo.rollout import dapo, turns
+from jgrpo.rollout import agent_rollout, dapo, turns
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.dapo import PADDED_KEYS
 from jgrpo.tasks.child import ERROR, OK, TIMEOUT
@@ -121,6 +121,7 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
     if "reward_overlong" in batch:
         stats["reward/overlong/mean"] = float(batch["reward_overlong"].astype(np.float64).mean())
     stats |= turns.row_counts_stats(batch)  # multi-turn batches only
+    stats |= agent_rollout.agent_stats(batch)  # data.agent batches only
     terms = batch.get("reward_terms")
     for f, name in enumerate(reward_names):
         column = terms[:, f].astype(np.float64)
@@ -203,6 +204,7 @@ class RolloutEngine:
                 f"chat template, and the tokenizer of model.path {cfg.model.path!r} has none"
             )
         self._chat: ChatFormat | None = None
+        self._endpoint = None
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
         record = records_routing(cfg, model_cfg)
@@ -295,6 +297,11 @@ class RolloutEngine:
             params_s = self.greedy_params
         else:
             params_s = self.train_params if training else self.val_params
+        if self.task.agent_runner is not None:
+            return self._agent_rollout(
+                (graphdef, params), examples, key, version, num_generations, params_s,
+                first_prompt, training, task,
+            )  # fmt: skip
         env = self.turn_settings.environment
         reset_s = time.perf_counter()
         if env:  # one environment per row: its first observation is part of the row's prompt
@@ -386,6 +393,114 @@ class RolloutEngine:
         ]
         failures = list(info["failures"]) + self.task.tool_runner.take_failures()
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
+
+    @property
+    def endpoint(self):
+        """The OpenAI-compatible endpoint agents call (jgrpo.rollout.endpoint), started on
+        first use: one per engine (per run and process), with its own key."""
+        if self._endpoint is None:
+            from jgrpo.rollout.endpoint import Endpoint
+
+            self._endpoint = Endpoint(
+                self.tokenizer,
+                self.chat.stop_ids,
+                tool_call_format=self.cfg.rollout.tool_call_format,
+            )
+            self._endpoint.start()
+        return self._endpoint
+
+    def _agent_rollout(
+        self, model, examples, key, version, g, params_s, first_prompt, training, task
+    ) -> RolloutResult:
+        """A data.agent rollout (jgrpo.rollout.agent_rollout): one endpoint rollout per row,
+        its sequences as training rows, scored by the agent's reward and the task's terms."""
+        from jgrpo.rollout.endpoint import Settings
+
+        runner = self.task.agent_runner
+        # a call also stops at the template's end of turn (ChatFormat.stop_ids)
+        stops = tuple(sorted(set(params_s.stop_token_ids) | set(self.chat.stop_ids)))
+        params_s = dataclasses.replace(params_s, stop_token_ids=stops)
+        settings = Settings(
+            budget=params_s.max_new_tokens,
+            max_calls=self.cfg.rollout.max_turns,
+            temperature=params_s.temperature,
+            top_p=params_s.top_p,
+        )
+        rollouts, results, timing = agent_rollout.run_agents(
+            self.endpoint, runner, model, examples, key, params_s, settings,
+            first_prompt * g, task, g,
+        )  # fmt: skip
+        spec = sampling.make_decode_spec(self.model_cfg, params_s)
+        arrays, owner, completions = agent_rollout.build_rows(
+            rollouts, results, self.tokenizer, params_s.prompt_bucket, params_s.max_new_tokens,
+            spec.pad_id,
+        )  # fmt: skip
+        rows = [i for i in range(len(examples)) for _ in range(g)]
+        row_examples = [examples[i] for i in rows]
+        ok = np.asarray([results.get(b, (TIMEOUT,))[0] == OK for b in range(len(rows))], bool)
+        agent_rewards = np.asarray(
+            [
+                results[b][1]["reward"] if ok[b] and results[b][1]["reward"] is not None else np.nan
+                for b in range(len(rows))
+            ],
+            np.float64,
+        )
+        prompts = [
+            self.tokenizer.decode(r.sequences[0].prompt) if r.sequences else "" for r in rollouts
+        ]
+        start = time.perf_counter()
+        rewards, info = task.score(
+            prompts, completions, row_examples, environment_rewards=agent_rewards
+        )
+        scored = time.perf_counter()
+        has_rows = ok & np.asarray([bool(r.sequences) for r in rollouts])
+        real = owner >= 0
+        at = np.maximum(owner, 0)
+        names = tuple(task.reward_names)
+        batch = dict(arrays)
+        batch["rewards"] = np.where(real, rewards[at], 0.0).astype(np.float32)
+        keep = real & has_rows[at]
+        batch["group_ids"] = np.where(keep, np.asarray(rows)[at], -1).astype(np.int32)
+        sample_mask = np.asarray(info["sample_mask"], np.float32)[at]
+        batch["sample_mask"] = np.where(keep, sample_mask, 0.0).astype(np.float32)
+        batch["weight_version"] = np.full(len(owner), version, np.int32)
+        if info["correct"] is not None:
+            batch["correct"] = np.where(real, np.asarray(info["correct"], bool)[at], False)
+        terms = np.asarray(info["reward_terms"], np.float32).reshape(len(rows), len(names))
+        status = np.asarray(info["reward_status"], np.int8).reshape(len(rows), len(names))
+        batch["reward_terms"] = np.where(real[:, None], terms[at], np.nan).astype(np.float32)
+        batch["reward_status"] = np.where(real[:, None], status[at], 0).astype(np.int8)
+        if training:
+            dapo.shape_training_batch(batch, self.cfg)
+        sizes = timing["batch_sizes"]
+        counts = {
+            "reward/num_errors": float(info["num_reward_errors"]),
+            "reward/num_timeouts": float(info["num_reward_timeouts"]),
+            "reward/num_none": float(info["num_reward_none"]),
+            "perf/sample_s": timing["sample_s"],
+            "perf/agent_s": timing["agent_s"] - timing["sample_s"],
+            "perf/reward_s": scored - start,
+            "perf/reward_model_s": float(info.get("reward_model_s", 0.0)),
+            "agents/sampler_calls": float(len(sizes)),
+            "agents/sampler_batch_mean": float(np.mean(sizes)) if sizes else 0.0,
+            "agents/sampler_batch_max": float(max(sizes, default=0)),
+        }
+        samples = [
+            {
+                "prompt": prompts[b],
+                "completion": self.tokenizer.decode(rollouts[b].sequences[-1].region)
+                if rollouts[b].sequences
+                else "",
+                "reward": float(rewards[b]),
+            }
+            for b in range(min(self.cfg.logging.num_samples, len(rows)))
+        ]
+        failures = list(info["failures"]) + runner.take_failures()
+        stats = batch_stats(batch, names) | counts
+        result = RolloutResult(batch, stats, samples, names, failures)
+        result.agent_rollouts = rollouts  # the endpoint's records (tests, inspection)
+        result.sampler_batch_sizes = sizes
+        return result
 
 
 def records_routing(cfg: Config, model_cfg) -> bool:

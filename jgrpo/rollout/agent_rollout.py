@@ -1,0 +1,191 @@
+"""A rollout run by `data.agent`: agents call the endpoint, their calls become training rows.
+
+`agent_rollout(engine, model, examples, ...)` opens one endpoint rollout per row (G per
+example), starts every row's agent in the agent processes (jgrpo.tasks.agents) and, on this
+thread (the device's), serves the agents' requests in batches (`Endpoint.step`: one sampler
+call per batch, `sampling.generate` with the run's decode_slots) until every agent has reported.
+
+Training rows: each rollout's SEQUENCES (jgrpo.rollout.endpoint.Rollout: calls that extend one
+another's ids are one sequence; a rewritten history starts another). Every sequence of a rollout
+is a row of its group with the rollout's reward: so a rollout split in k sequences counts k
+times in its group's mean and std, each of its sequences gets the same advantage, and every
+length normaliser treats a sequence as a row (token-mean over all scored tokens; GSPO's row
+length; Dr. GRPO's constant). The rows are [prompt, P = the longest first prompt, bucketed]
+[region, N = rollout.max_new_tokens]; the row count is padded up to a multiple of the rollouts
+B with padding rows (group id -1, no sample) so the step compiles for B, 2B, ... rows only.
+A rollout whose agent failed (raised, timed out, returned what it may not) or made no call
+holds no sample: its rows are padding-like (group id -1), counted in agents/errors,
+agents/timeouts, agents/no_calls. Rewards: the agent's own (the `agent` term, weight 1; None =
+no value) + the task's verifier and reward functions on its completion (the agent's dict's
+`completion`, else its last call's text)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from jgrpo import sampling
+from jgrpo.rollout.endpoint import Sequence
+from jgrpo.tasks.child import OK, TIMEOUT
+
+AGENT_COUNTS = (
+    "agent_calls",
+    "agent_sequences",
+    "agent_errors",
+    "agent_timeouts",
+    "agent_budget_cuts",
+    "agent_bad_requests",
+)
+"""Per-row int32 counts of an agent batch, on each rollout's first row (0 on its others)."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _row_bucket(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def make_generate(model, params: sampling.SamplingParams, key):
+    """The endpoint's sampler: (prompts, max_new_tokens, top_p, row_ids) -> Generation, rows
+    padded to a power of two (a repeated row) and max_new_tokens rounded up to prompt_bucket
+    so a run compiles few programs."""
+
+    def generate(prompts, max_new, top_p, row_ids):
+        n = len(prompts)
+        width = _row_bucket(n)
+        budget = min(params.max_new_tokens, _round_up(max_new, params.prompt_bucket))
+        call_params = dataclasses.replace(params, max_new_tokens=budget, top_p=float(top_p))
+        pad = width - n
+        return sampling.generate(
+            model,
+            list(prompts) + [prompts[0]] * pad,
+            call_params,
+            key,
+            row_ids=list(row_ids) + [row_ids[0]] * pad,
+        )
+
+    return generate
+
+
+def run_agents(endpoint, runner, model, examples, key, params_s, settings, first_row, task, g):
+    """Run the agents of `examples` (g rows each) to the end -> (the endpoint's Rollout
+    records, {row: (status, checked result or error text)}, timings and batch sizes)."""
+    rows = [i for i in range(len(examples)) for _ in range(g)]
+    ids = endpoint.open([first_row + b for b in range(len(rows))], settings)
+    records = []
+    for i in rows:
+        record = task.columns(examples[i])
+        record.setdefault("prompt", task.prompt_messages(examples[i]))
+        records.append(record)
+    jobs = [(b, endpoint.base_url(rid), records[b]) for b, rid in enumerate(ids)]
+    generate = make_generate(model, params_s, key)
+    results: dict[int, tuple[int, object]] = {}
+    start = time.perf_counter()
+    sample_s = 0.0
+    runner.submit(jobs, endpoint.api_key)
+    try:
+        while runner.running:
+            for row, status, value in runner.poll(0.0):
+                results[row] = (status, value)
+            t0 = time.perf_counter()
+            if endpoint.step(generate, runner.running):
+                sample_s += time.perf_counter() - t0
+    finally:
+        rollouts = endpoint.close_rollouts(ids)
+    agent_s = time.perf_counter() - start
+    return (
+        rollouts,
+        results,
+        dict(sample_s=sample_s, agent_s=agent_s, batch_sizes=list(endpoint.batch_sizes)),
+    )
+
+
+def build_rows(rollouts, results, tokenizer, prompt_bucket: int, n: int, pad_id: int):
+    """The training rows of the rollouts' sequences (module docstring) -> dict of numpy
+    arrays (input_ids, attention_mask, token_mask, generation_logprobs, lengths, truncated,
+    owner [R] = the rollout index of each row, -1 for padding), plus per-rollout completion
+    texts; AGENT_COUNTS (and agent_first_row: 1 on each rollout's first row) are in the
+    arrays."""
+    b_total = len(rollouts)
+    seqs, owner, first = [], [], []
+    counts = {k: np.zeros(b_total, np.int32) for k in AGENT_COUNTS}
+    completions = [""] * b_total
+    for b, r in enumerate(rollouts):
+        status, value = results.get(b, (TIMEOUT, "no result"))
+        counts["agent_calls"][b] = len(r.calls)
+        counts["agent_sequences"][b] = len(r.sequences)
+        counts["agent_errors"][b] = status != OK and status != TIMEOUT
+        counts["agent_timeouts"][b] = status == TIMEOUT
+        counts["agent_budget_cuts"][b] = r.budget_cuts
+        counts["agent_bad_requests"][b] = r.bad_requests
+        last = r.calls[-1].choices[0] if r.calls and r.calls[-1].choices else None
+        if last is not None:
+            completions[b] = (
+                last.message.get("content") or "" if last.message is not None else last.text
+            )
+        if status == OK and value.get("completion") is not None:
+            completions[b] = value["completion"]
+        first.append(len(seqs))
+        for s in r.sequences or [Sequence([])]:  # a rollout without calls: one empty row
+            seqs.append(s)
+            owner.append(b)
+    rows = _round_up(len(seqs), b_total)
+    p = _round_up(max([len(s.prompt) for s in seqs] + [1]), prompt_bucket)
+    t = p + n
+    input_ids = np.full((rows, t), pad_id, np.int32)
+    attention = np.zeros((rows, t), np.float32)
+    token_mask = np.zeros((rows, t), np.float32)
+    logprobs = np.zeros((rows, t), np.float32)
+    lengths = np.zeros(rows, np.int32)
+    truncated = np.zeros(rows, bool)
+    for i, s in enumerate(seqs):
+        lp, m = len(s.prompt), len(s.region)
+        input_ids[i, p - lp : p] = s.prompt
+        attention[i, p - lp : p] = 1.0
+        input_ids[i, p : p + m] = s.region
+        attention[i, p : p + m] = 1.0
+        gen = np.asarray(s.generated, bool)
+        token_mask[i, p : p + m] = gen
+        logprobs[i, p : p + m] = np.where(gen, s.logprobs, 0.0)
+        lengths[i], truncated[i] = m, s.truncated
+    arrays = dict(
+        input_ids=input_ids,
+        attention_mask=attention,
+        token_mask=token_mask,
+        generation_logprobs=logprobs,
+        lengths=lengths,
+        truncated=truncated,
+    )
+    owner_r = np.full(rows, -1, np.int32)
+    owner_r[: len(seqs)] = owner
+    first_r = np.zeros(rows, np.int32)
+    first_r[first] = 1
+    for k, v in counts.items():  # each rollout's counts on its first row
+        row_counts = np.zeros(rows, np.int32)
+        row_counts[first] = v
+        arrays[k] = row_counts
+    arrays["agent_first_row"] = first_r
+    return arrays, owner_r, completions
+
+
+def agent_stats(batch) -> dict[str, float]:
+    """The agent metrics of a batch holding AGENT_COUNTS (empty when it does not)."""
+    if "agent_calls" not in batch:
+        return {}
+    seqs = batch["agent_sequences"]
+    return {
+        "agents/calls": float(batch["agent_calls"].sum()),
+        "agents/sequences": float(seqs.sum()),
+        "agents/split_rollouts": float((seqs > 1).sum()),
+        "agents/no_calls": float(
+            ((batch["agent_calls"] == 0) & (batch["agent_first_row"] > 0)).sum()
+        ),
+        "agents/errors": float(batch["agent_errors"].sum()),
+        "agents/timeouts": float(batch["agent_timeouts"].sum()),
+        "agents/budget_cuts": float(batch["agent_budget_cuts"].sum()),
+        "agents/bad_requests": float(batch["agent_bad_requests"].sum()),
+    }
