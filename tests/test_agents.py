@@ -328,7 +328,7 @@ AGENTS = textwrap.dedent(
 
     async def talk(client, record):
         '''Two calls continuing one conversation, then a rewritten one (a new sequence).'''
-        messages = list(record["prompt"])
+        messages = list(record["prompt_messages"])
         first = await client.chat.completions.create(model="policy", messages=messages)
         messages.append({"role": "assistant", "content": first.choices[0].message.content})
         messages.append({"role": "user", "content": "again"})
@@ -338,8 +338,12 @@ AGENTS = textwrap.dedent(
             await client.chat.completions.create(model="policy", messages=short)
         return float(len(second.choices[0].token_ids) % 3)
 
+    async def once(client, record):
+        await client.chat.completions.create(model="policy", messages=record["prompt_messages"])
+        return 0.0
+
     async def broken(client, record):
-        await client.chat.completions.create(model="policy", messages=record["prompt"])
+        await client.chat.completions.create(model="policy", messages=record["prompt_messages"])
         if record["id"].endswith("1"):
             raise ValueError("the agent's own bug")
         if record["id"].endswith("0"):
@@ -405,7 +409,8 @@ def test_agent_rollouts_train_on_exactly_the_sampled_tokens(chat_model, agent_mo
     assert result.stats["agents/split_rollouts"] == 4 and result.stats["agents/sequences"] == 12
     assert batch.input_ids.shape[0] == 16  # 12 sequences, padded to a multiple of 8 rollouts
     assert (np.asarray(batch.group_ids)[12:] == -1).all()
-    assert result.sampler_batch_sizes[0] == 8  # the 8 agents' first calls: one batch
+    sizes = result.sampler_batch_sizes  # rows of each sampler call: the 20 calls, batched
+    assert sum(sizes) == result.stats["agents/calls"] == 20 and max(sizes) > 1
     ro = cfg.rollout
     forward = jax.jit(
         functools.partial(step.sequence_logprobs, graphdef, first_scored=ro.prompt_bucket)
@@ -434,13 +439,18 @@ def test_agent_rollouts_train_on_exactly_the_sampled_tokens(chat_model, agent_mo
 def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, capsys):
     from jgrpo.tasks.child import forget_reports, report_failures
 
+    from jgrpo.tasks.agents import AgentRunner
+
     cfg, engine, graphdef, params, examples = agent_engine(
-        chat_model, f"{agent_module}:broken", "data.agent_timeout_s=3"
+        chat_model, f"{agent_module}:once", "data.agent_timeout_s=5"
     )
     examples = examples + [
         {"task": "prompts", "row": {"prompt": "ok", "id": "r2"}, "id": "train/2"}
     ]
-    try:
+    try:  # the timeout counts the sampler's time too: compile the call first
+        engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 1)
+        engine.task.agent_runner.close()
+        engine.task.agent_runner = AgentRunner(f"{agent_module}:broken", 5, 30, 3)  # a child each
         result = engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 1)
     finally:
         engine.task.close()
@@ -449,7 +459,7 @@ def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, cap
     forget_reports()
     report_failures(result.failures)
     err = capsys.readouterr().err
-    assert err.count("the agent's own bug") == 1 and "jgrpo_test_agents.py" in err
+    assert err.count("ValueError: the agent's own bug") == 1 and "jgrpo_test_agents.py" in err
 
 
 def test_an_agent_that_is_not_async_is_refused(agent_module):

@@ -79,7 +79,7 @@ def run_agents(endpoint, runner, model, examples, key, params_s, settings, first
     records = []
     for i in rows:
         record = task.columns(examples[i])
-        record.setdefault("prompt", task.prompt_messages(examples[i]))
+        record["prompt_messages"] = task.prompt_messages(examples[i])
         records.append(record)
     jobs = [(b, endpoint.base_url(rid), records[b]) for b, rid in enumerate(ids)]
     generate = make_generate(model, params_s, key)

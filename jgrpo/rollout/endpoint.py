@@ -264,7 +264,7 @@ def _same_assistant(message: dict, returned: Optional[dict]) -> bool:
 class Endpoint:
     """The loopback OpenAI-compatible server (module docstring)."""
 
-    def __init__(self, tokenizer, stop_ids, *, tool_call_format="hermes", gather_s=0.02):
+    def __init__(self, tokenizer, stop_ids, *, tool_call_format="hermes", gather_s=0.05):
         self.tokenizer = tokenizer
         self.stop_ids = tuple(stop_ids)
         self.tool_call_format = tool_call_format
@@ -700,11 +700,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client went away (an agent timed out or its process was killed)
+            self.close_connection = True
 
     def _serve(self, method: str) -> None:
         try:

@@ -129,6 +129,8 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
     import signal
 
     out, progress = attach(write_fd, init)
+    import openai  # noqa: F401 - imported before the first job, not inside it
+
     loaded, errors = load_all([init["agent"]], progress, init["import_timeout_s"], _check_agent)
     out.send(("ready", errors))
     agent = loaded[0]

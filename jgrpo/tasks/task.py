@@ -65,10 +65,10 @@ def check_rewards_given(cfg: DataConfig) -> None:
     """A task without a verifier needs a reward function (the Python API adds its reward_funcs
     to data.reward_functions first, so this is not a `validate` rule)."""
     verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
-    if not verifier and not cfg.reward_functions and cfg.environment is None:
+    if not verifier and not cfg.reward_functions and cfg.environment is None and not cfg.agent:
         raise ConfigError(
             f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
-            "one reward function (or a data.environment whose steps give rewards)"
+            "one reward function (or a data.environment or data.agent that gives rewards)"
         )
 
 
