@@ -347,7 +347,9 @@ AGENTS = textwrap.dedent(
         if record["id"].endswith("1"):
             raise ValueError("the agent's own bug")
         if record["id"].endswith("0"):
-            time.sleep(30)  # blocks the event loop
+            time.sleep(30)  # blocks the event loop: its process is killed
+        if record["id"].endswith("3"):
+            await asyncio.sleep(30)  # waits: cancelled
         return 1.0
 
     def not_async(client, record):
@@ -439,23 +441,19 @@ def test_agent_rollouts_train_on_exactly_the_sampled_tokens(chat_model, agent_mo
 def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, capsys):
     from jgrpo.tasks.child import forget_reports, report_failures
 
-    from jgrpo.tasks.agents import AgentRunner
-
     cfg, engine, graphdef, params, examples = agent_engine(
-        chat_model, f"{agent_module}:once", "data.agent_timeout_s=5"
-    )
-    examples = examples + [
-        {"task": "prompts", "row": {"prompt": "ok", "id": "r2"}, "id": "train/2"}
+        chat_model, f"{agent_module}:broken", "data.agent_timeout_s=3", "data.tool_processes=4"
+    )  # a process per row: the hanging agent blocks its own process only
+    examples += [
+        {"task": "prompts", "row": {"prompt": p, "id": f"r{i}"}, "id": f"train/{i}"}
+        for i, p in ((2, "ok"), (3, "so"))
     ]
-    try:  # the timeout counts the sampler's time too: compile the call first
-        engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 1)
-        engine.task.agent_runner.close()
-        engine.task.agent_runner = AgentRunner(f"{agent_module}:broken", 5, 30, 3)  # a child each
+    try:  # the timeout counts the agent's own time, not its calls' (compiles included)
         result = engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 1)
     finally:
         engine.task.close()
-    assert result.stats["agents/errors"] == 1 and result.stats["agents/timeouts"] == 1
-    assert np.asarray(result.batch["group_ids"]).tolist() == [-1, -1, 2]
+    assert result.stats["agents/errors"] == 1 and result.stats["agents/timeouts"] == 2
+    assert np.asarray(result.batch["group_ids"]).tolist() == [-1, -1, 2, -1]
     forget_reports()
     report_failures(result.failures)
     err = capsys.readouterr().err

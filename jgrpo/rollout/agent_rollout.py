@@ -87,10 +87,15 @@ def run_agents(endpoint, runner, model, examples, key, params_s, settings, first
     start = time.perf_counter()
     sample_s = 0.0
     runner.submit(jobs, endpoint.api_key)
+    began = time.perf_counter()  # the agents' own time counts from here
     try:
         while runner.running:
             for row, status, value in runner.poll(0.0):
                 results[row] = (status, value)
+            now = time.perf_counter() - began
+            for b, waited in enumerate(endpoint.waited(ids)):  # the agent's own time
+                if b not in results and now - waited > runner.timeout_s:
+                    runner.cancel(b)
             t0 = time.perf_counter()
             if endpoint.step(generate, runner.running):
                 sample_s += time.perf_counter() - t0

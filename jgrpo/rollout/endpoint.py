@@ -142,6 +142,13 @@ class Rollout:
     """Calls accepted so far (the next call's index)."""
     budget_cuts: int = 0
     bad_requests: int = 0
+    in_flight: int = 0
+    since: float = 0.0
+    waited_s: float = 0.0
+
+    def waited(self, now: float) -> float:
+        """Seconds this rollout has had a request in the endpoint (queued or sampling)."""
+        return self.waited_s + (now - self.since if self.in_flight else 0.0)
 
     def longest_prefix(self, ids: list[int]) -> Optional[Sequence]:
         """The sequence with the most ids that `ids` starts with (None: none)."""
@@ -319,6 +326,12 @@ class Endpoint:
                 self._rollouts[rid] = Rollout(rid, row, settings.budget, settings.max_calls)
         return ids
 
+    def waited(self, ids: list[str]) -> list[float]:
+        """Seconds each rollout has waited for the endpoint so far (`Rollout.waited`)."""
+        now = time.monotonic()
+        with self._cond:
+            return [self._rollouts[rid].waited(now) for rid in ids]
+
     def close_rollouts(self, ids: list[str]) -> list[Rollout]:
         """The rollouts' records; later requests for them get 404. Queued requests of theirs
         get an error."""
@@ -444,10 +457,17 @@ class Endpoint:
             pending.call.index = rollout.issued
             rollout.issued += 1
             rollout.budget_cuts += pending.call.budget_cut
+            if rollout.in_flight == 0:
+                rollout.since = time.monotonic()
+            rollout.in_flight += 1
             self._queue.append(pending)
             self._last_arrival = time.monotonic()
             self._cond.notify_all()
         pending.done.wait()
+        with self._cond:
+            rollout.in_flight -= 1
+            if rollout.in_flight == 0:
+                rollout.waited_s += time.monotonic() - rollout.since
         if pending.error is not None:
             raise pending.error
         return self._response(rollout, pending)

@@ -33,7 +33,6 @@ from jgrpo.tasks.child import (
     OK,
     PROGRESS,
     TIMEOUT,
-    CallTimeout,
     Child,
     Failure,
     LoadError,
@@ -45,8 +44,6 @@ from jgrpo.tasks.child import (
 
 _WHAT = "the agent process"
 _SERVE = "jgrpo.tasks.agents:serve"
-ALARM_SLACK_S = 0.5
-"""SIGALRM stops a job this long after its agents' timeout (an agent blocking the loop)."""
 
 
 def _check_agent(fn: Any, name: str, _) -> None:
@@ -96,37 +93,58 @@ def _result(value: Any) -> dict:
     return {"reward": reward, "completion": completion}
 
 
-async def _run_job(agent, jobs, api_key: str, timeout_s: float, out: Connection, sent: set):
+async def _run_job(agent, jobs, api_key: str, timeout_s: float, conn, out, sent: set):
+    """Every row of the job at once; a ("cancel", row) message from the parent (the row's own
+    time ran out) cancels that row's agent: it reports TIMEOUT."""
     import asyncio
 
     import openai
 
-    async def one(row: int, base_url: str, record: dict):
-        client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s
-        )
+    tasks: dict[int, asyncio.Task] = {}
+    cancelled: set[int] = set()
+
+    def on_message():
         try:
-            value = await asyncio.wait_for(agent(client, record), timeout_s)
+            while conn.poll():
+                kind, row = conn.recv()
+                if kind == "cancel" and row in tasks and not tasks[row].done():
+                    cancelled.add(row)
+                    tasks[row].cancel()
+        except (EOFError, OSError):
+            pass
+
+    async def one(row: int, base_url: str, record: dict):
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=None)
+        try:
+            value = await agent(client, record)
             message = (row, OK, _result(value), None)
-        except TimeoutError:
-            message = (row, TIMEOUT, f"the agent did not finish within {timeout_s:g} s", None)
+        except asyncio.CancelledError:
+            if row not in cancelled:
+                raise
+            message = (row, TIMEOUT, f"the agent ran past {timeout_s:g} s of its own time", None)
         except Exception as e:  # noqa: BLE001 - any failure of the agent is counted
             message = (row, ERROR, f"{type(e).__name__}: {e}"[:300], _agent_traceback(e))
         finally:
             try:
                 await client.close()
-            except Exception:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001
                 pass
         out.send(message)
         sent.add(row)
 
-    await asyncio.gather(*(one(*job) for job in jobs))
+    loop = asyncio.get_running_loop()
+    loop.add_reader(conn.fileno(), on_message)
+    try:
+        for job in jobs:
+            tasks[job[0]] = asyncio.ensure_future(one(*job))
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+    finally:
+        loop.remove_reader(conn.fileno())
 
 
 def serve(conn: Connection, write_fd: int, init: dict) -> None:
     """Child main loop: load the agent, report, then run jobs until the pipe closes."""
     import asyncio
-    import signal
 
     out, progress = attach(write_fd, init)
     import openai  # noqa: F401 - imported before the first job, not inside it
@@ -136,22 +154,15 @@ def serve(conn: Connection, write_fd: int, init: dict) -> None:
     agent = loaded[0]
     while True:
         try:
-            job_id, jobs, api_key, timeout_s = conn.recv()
+            message = conn.recv()
         except EOFError:
             return
+        if message[0] == "cancel":  # for a row that has finished since
+            continue
+        job_id, jobs, api_key, timeout_s = message
         PROGRESS.pack_into(progress, 0, job_id, len(jobs), time.monotonic())
         sent: set[int] = set()
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout_s + ALARM_SLACK_S)
-            try:
-                asyncio.run(_run_job(agent, jobs, api_key, timeout_s, out, sent))
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except CallTimeout:  # an agent blocked the event loop
-            for row, *_ in jobs:
-                if row not in sent:
-                    message = f"the agent did not finish within {timeout_s:g} s (it blocked)"
-                    out.send((row, TIMEOUT, message, None))
+        asyncio.run(_run_job(agent, jobs, api_key, timeout_s, conn, out, sent))
         out.send(("done", job_id))
         PROGRESS.pack_into(progress, 0, -1, -1, 0.0)
 
@@ -176,7 +187,7 @@ class AgentRunner:
         self._children: list[Optional[Child]] = [None] * self.num_processes
         self._running: dict[int, set[int]] = {}  # child -> its rows not yet reported
         self._jobs = 0
-        self._started: dict[int, float] = {}
+        self._cancelled: dict[int, float] = {}  # row -> when it was cancelled
         self._lock = threading.Lock()
         self._failures: dict[str, Failure] = {}
         self._checked = False
@@ -247,7 +258,7 @@ class AgentRunner:
             self._jobs += 1
             child.send_conn.send((self._jobs, part, api_key, self.timeout_s))
             self._running[k] = {row for row, *_ in part}
-            self._started[k] = time.monotonic()
+        self._cancelled = {}
 
     def poll(self, timeout: float = 0.0) -> list[tuple[int, int, Any]]:
         """[(row, status OK / ERROR / TIMEOUT, value)] of the agents that finished (value: the
@@ -270,27 +281,39 @@ class AgentRunner:
                         self._note(row, trace or value)
             except (EOFError, OSError):
                 pass  # died: found below
+        now = time.monotonic()
         for k in list(self._running):
             if not self._running[k]:
                 del self._running[k]
                 continue
             child = self._children[k]
-            late = time.monotonic() - self._started[k]
-            hung = late > self.timeout_s + ALARM_SLACK_S + KILL_SLACK_S
-            if child.proc.poll() is None and not hung:
+            late = lambda r: now - self._cancelled.get(r, now) > KILL_SLACK_S  # noqa: B023
+            stuck = [r for r in self._running[k] if late(r)]
+            if child.proc.poll() is None and not stuck:
                 continue
             code = child.proc.poll()
             for row in sorted(self._running.pop(k)):
-                if hung:
-                    found.append(
-                        (row, TIMEOUT, f"the agent did not finish within {self.timeout_s:g} s")
-                    )
+                if stuck:  # a cancelled agent blocks its process's event loop: all its rows end
+                    text = f"the agent ran past {self.timeout_s:g} s of its own time (it blocked)"
+                    found.append((row, TIMEOUT, text))
                 else:
                     found.append((row, ERROR, f"{_WHAT} crashed (exit code {code})"))
                     self._note(row, f"it ended {_WHAT} (exit code {code})")
             child.close()
             self._children[k] = None
         return found
+
+    def cancel(self, row: int) -> None:
+        """Stop row's agent (its own time ran out): it reports TIMEOUT; if it does not within
+        KILL_SLACK_S (it blocks the event loop), its process is killed."""
+        k = row % self.num_processes
+        if row in self._cancelled or row not in self._running.get(k, ()):
+            return
+        self._cancelled[row] = time.monotonic()
+        try:
+            self._children[k].send_conn.send(("cancel", row))
+        except OSError:
+            pass  # it died: poll finds it
 
     def _note(self, row: int, text: str) -> None:
         name = f"{self.key} ({self.name!r})"
