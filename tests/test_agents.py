@@ -467,3 +467,62 @@ def test_an_agent_that_is_not_async_is_refused(agent_module):
     with pytest.raises(ConfigError, match="data.agent: .* must be an `async def agent"):
         runner.start()
     runner.close()
+
+
+def test_padding_rows_stay_padding_when_batches_join():
+    """Worker and pod joins shift group ids but leave padding rows (-1) alone; a pod host's
+    agent batch is padded with rows that hold no sample."""
+    from jgrpo.rollout.agent_rollout import pad_rows
+    from jgrpo.rollout.engine import shift_groups
+
+    assert shift_groups(np.asarray([0, 1, -1]), 4).tolist() == [4, 5, -1]
+    batch = {
+        "group_ids": np.asarray([0, -1], np.int32),
+        "input_ids": np.ones((2, 3), np.int32),
+        "reward_terms": np.zeros((2, 1), np.float32),
+        "weight_version": np.asarray([7, 7], np.int32),
+    }
+    padded = pad_rows(batch, 4)
+    assert padded["group_ids"].tolist() == [0, -1, -1, -1]
+    assert padded["input_ids"][2:].sum() == 0 and np.isnan(padded["reward_terms"][2:]).all()
+    assert padded["weight_version"].tolist() == [7] * 4
+
+
+@pytest.mark.heavy
+def test_grpo_trainer_trains_with_an_agent_function(chat_model, tmp_path):
+    """GRPOTrainer(agent=fn) (cloudpickled into the child): two steps through train.run; the
+    train step's forward reproduces the endpoint's logprobs."""
+    import jgrpo
+    from jgrpo.metrics import read_metrics
+
+    async def agent(client, record):
+        messages = list(record["prompt_messages"])
+        first = await client.chat.completions.create(model="p", messages=messages, max_tokens=16)
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+        second = await client.chat.completions.create(model="p", messages=messages, max_tokens=16)
+        return float(len(second.choices[0].token_ids) % 2)
+
+    trainer = jgrpo.GRPOTrainer(
+        None,
+        agent=agent,
+        run_dir=tmp_path / "run",
+        train_dataset=[{"prompt": "hi"}, {"prompt": "yo"}, {"prompt": "so"}],
+        overrides=[
+            f"model.path={chat_model}",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=4",
+            "grpo.max_num_steps=2",
+            "rollout.max_new_tokens=64",
+            "rollout.prompt_bucket=32",
+            "rollout.max_turns=3",
+            "data.tool_processes=1",
+        ],
+    )
+    trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["agents/calls"] == 16 and r["agents/errors"] == 0
+        assert 1.0 <= r["logprob/token_mult_prob_error"] <= 1.001
+        assert r["agents/sampler_batch_max"] > 1

@@ -577,6 +577,11 @@ def check_turns(cfg: Config) -> None:
             "data.tools / data.environment, not both",
         )
         _require(
+            not cfg.grpo.use_dynamic_sampling,
+            "data.agent: grpo.use_dynamic_sampling is not supported with agents (a rollout may "
+            "make several rows); set it to false",
+        )
+        _require(
             data.agent_timeout_s > 0,
             f"data.agent_timeout_s: must be > 0, got {data.agent_timeout_s}",
         )

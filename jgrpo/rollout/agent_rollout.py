@@ -194,3 +194,21 @@ def agent_stats(batch) -> dict[str, float]:
         "agents/budget_cuts": float(batch["agent_budget_cuts"].sum()),
         "agents/bad_requests": float(batch["agent_bad_requests"].sum()),
     }
+
+
+def pad_rows(batch: dict, rows: int) -> dict:
+    """`batch` with padding rows appended up to `rows` (a pod's hosts must feed as many rows
+    each; an agent batch's row count depends on its splits): group id -1, no sample, no loss,
+    zeros elsewhere (reward terms NaN, the weight version repeated)."""
+    have = len(batch["group_ids"])
+    if have >= rows:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        fill = {"group_ids": -1, "reward_terms": np.nan}.get(key, 0)
+        extra = np.full((rows - have,) + value.shape[1:], fill, value.dtype)
+        if key == "weight_version":
+            extra[:] = value[0]
+        out[key] = np.concatenate([value, extra])
+    return out

@@ -62,7 +62,7 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     parts = []
     for r, offset in zip(results, group_offsets):
         b = dict(r.batch)
-        b["group_ids"] = b["group_ids"] + offset
+        b["group_ids"] = shift_groups(b["group_ids"], offset)
         pad = width - b["input_ids"].shape[1]
         if pad:  # different prompt buckets: left-pad the narrower batch
             for key in PADDED_KEYS:
@@ -77,6 +77,11 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     names = results[0].reward_names
     failures = [f for r in results for f in r.failures]
     return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
+
+
+def shift_groups(group_ids: np.ndarray, offset: int) -> np.ndarray:
+    """Group ids + offset, padding rows (id < 0: no sample) left at -1."""
+    return np.where(group_ids >= 0, group_ids + offset, group_ids).astype(np.int32)
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
@@ -141,8 +146,11 @@ def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResul
     bucket: every host must feed the same shape), and the statistics recomputed over every
     host's rows (`gather_pod_rows`). Every process must call it (collective)."""
     batch = dict(result.batch)
-    batch["group_ids"] = batch["group_ids"] + group_offset
+    batch["group_ids"] = shift_groups(batch["group_ids"], group_offset)
     width = max(int(w) for w in distributed.allgather(np.int64(batch["input_ids"].shape[1])))
+    if "agent_calls" in batch:  # agent batches: as many rows as the host with the most
+        rows = max(int(r) for r in distributed.allgather(np.int64(len(batch["group_ids"]))))
+        batch = agent_rollout.pad_rows(batch, rows)
     pad = width - batch["input_ids"].shape[1]
     if pad:
         for k in PADDED_KEYS:
