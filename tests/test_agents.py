@@ -27,8 +27,9 @@ from jgrpo.config import ConfigError, load_config
 from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine
+from jgrpo.rollout.agent_record import Settings
 from jgrpo.rollout.conversation import ChatFormat
-from jgrpo.rollout.endpoint import Endpoint, Settings
+from jgrpo.rollout.endpoint import Endpoint
 from jgrpo.sampling import Generation
 
 
@@ -230,6 +231,7 @@ def test_a_request_over_the_budget_is_cut_and_flagged(endpoint, tok):
     assert out["rollouts"][0].budget_cuts == 1 and out["rollouts"][0].bad_requests == 1
 
 
+@pytest.mark.heavy  # 32 clients and their threads: seconds on a loaded machine
 def test_concurrent_agents_are_batched(tok):
     """32 agents, 2 calls each: every call of a round is one sampler batch of 32 rows (a
     batch runs once every running rollout has a request queued; gather_s is long here)."""
@@ -460,6 +462,7 @@ def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, cap
     assert err.count("ValueError: the agent's own bug") == 1 and "jgrpo_test_agents.py" in err
 
 
+@pytest.mark.heavy  # starts a child process
 def test_an_agent_that_is_not_async_is_refused(agent_module):
     from jgrpo.tasks.agents import AgentRunner
 

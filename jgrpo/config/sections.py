@@ -256,8 +256,7 @@ class DataConfig:
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
     agent: Union[str, Callable[..., Any], None] = None
-    """`module:function`, an `async def agent(client, record) -> reward | dict | None` (or the
-    function) that runs each rollout against jgrpo's OpenAI-compatible endpoint (docs/agents.md)."""
+    """`module:function`: an async agent(client, record) that runs each rollout (docs/agents.md)."""
     agent_timeout_s: float = 300.0
     """An agent's whole rollout running past this fails (counted; its rollout holds no sample)."""
 

@@ -1,23 +1,14 @@
 """A rollout run by `data.agent`: agents call the endpoint, their calls become training rows.
 
-`agent_rollout(engine, model, examples, ...)` opens one endpoint rollout per row (G per
-example), starts every row's agent in the agent processes (jgrpo.tasks.agents) and, on this
-thread (the device's), serves the agents' requests in batches (`Endpoint.step`: one sampler
-call per batch, `sampling.generate` with the run's decode_slots) until every agent has reported.
-
-Training rows: each rollout's SEQUENCES (jgrpo.rollout.endpoint.Rollout: calls that extend one
-another's ids are one sequence; a rewritten history starts another). Every sequence of a rollout
-is a row of its group with the rollout's reward: so a rollout split in k sequences counts k
-times in its group's mean and std, each of its sequences gets the same advantage, and every
-length normaliser treats a sequence as a row (token-mean over all scored tokens; GSPO's row
-length; Dr. GRPO's constant). The rows are [prompt, P = the longest first prompt, bucketed]
-[region, N = rollout.max_new_tokens]; the row count is padded up to a multiple of the rollouts
-B with padding rows (group id -1, no sample) so the step compiles for B, 2B, ... rows only.
-A rollout whose agent failed (raised, timed out, returned what it may not) or made no call
-holds no sample: its rows are padding-like (group id -1), counted in agents/errors,
-agents/timeouts, agents/no_calls. Rewards: the agent's own (the `agent` term, weight 1; None =
-no value) + the task's verifier and reward functions on its completion (the agent's dict's
-`completion`, else its last call's text)."""
+`run_agents` opens one endpoint rollout per row, starts the rows' agents (jgrpo.tasks.agents)
+and serves their requests on this thread (the device's) in batches until every agent has
+reported, cancelling an agent whose own time (not its calls') passes data.agent_timeout_s.
+`build_rows`: every SEQUENCE of every rollout (jgrpo.rollout.agent_record) is a row
+[prompt, P][region, N] with the rollout's reward and group, so a rollout split in k sequences
+counts k times in its group's statistics and each sequence is a row for every normaliser; a
+rollout without sequences gets one empty row; rows are padded to a multiple of the rollouts B
+(group id -1: no sample). A failed agent's rows hold no sample. `agent_stats` (the agents/*
+metrics), `pad_rows` (a pod host's rows up to the others'). docs/agents.md."""
 
 from __future__ import annotations
 
@@ -27,7 +18,7 @@ import time
 import numpy as np
 
 from jgrpo import sampling
-from jgrpo.rollout.endpoint import Sequence
+from jgrpo.rollout.agent_record import Sequence
 from jgrpo.tasks.child import OK, TIMEOUT
 
 AGENT_COUNTS = (

@@ -1,38 +1,16 @@
 """The OpenAI-compatible endpoint an agent talks to during a rollout, served by jgrpo's sampler.
 
-`Endpoint(tokenizer, ...)` runs a stdlib `ThreadingHTTPServer` on 127.0.0.1 (a free port) in
-daemon threads. Paths: `/rollouts/<id>/v1/chat/completions`, `/rollouts/<id>/v1/completions`
-(POST), `/rollouts/<id>/v1/models` and `/v1/models` (GET): `base_url(id)` is the prefix an
-`openai.AsyncOpenAI(base_url=...)` passes unchanged. Every request needs `Authorization:
-Bearer <api_key>` (a random key per endpoint, i.e. per run and process). A handler thread only
-parses, checks and renders; it queues the request and waits. The thread that called `step`
-(the rollout's, which owns the device) takes every queued request as ONE batch of sampler rows
-(`generate`: a request with n choices is n rows) once each running rollout has a request
-queued, or `gather_s` after the last arrival; `batch_sizes` records the rows of every sampler
-call. Draws are keyed by (rollout row, call index, choice), never by the batch.
-
-Requests are checked against the run's bounds (`open`): temperature absent or the run's (the
-trainer's forward scores at that temperature), 0 < top_p <= 1, n in [1, MAX_N], at most 4 stop
-strings, tool_choice "auto" / "none", no streaming, and no field outside the OpenAI ones the
-endpoint honours (`_CHAT_FIELDS`, `_COMPLETION_FIELDS`). A bad request gets OpenAI's error JSON
-(`{"error": {"message", "type", "param", "code"}}`) with status 400 (401 bad key, 404 unknown
-path or rollout, 405 method, 413 body too large); nothing a client sends stops the run.
-
-Each rollout (`Rollout`) keeps its calls and, built as they finish, its training SEQUENCES: a call
-whose prompt ids start with a sequence's ids so far extends it (the ids between: mask 0; the
-completion: mask 1, with its logprobs); any other call starts a new sequence (the agent rewrote
-its history). A chat request whose messages are an earlier call's messages + the assistant
-message that call returned + new messages gets that call's prompt and completion ids + the
-chat template's reply ids of the new messages (`ChatFormat.reply_ids`): the model's text is
-never tokenised again. Budget: a sequence's ids after its first prompt fit `budget` (N =
-rollout.max_new_tokens); a request's max_tokens above what is left is cut to it and flagged
-(`jgrpo.budget_cut`); none left, or `max_calls` calls made: error 400 `budget_exhausted`.
-
-Response fields beyond OpenAI's (vLLM's `return_token_ids` names): chat: `prompt_token_ids`
-(top level), `choices[k].token_ids`, `choices[k].logprobs.content[i].logprob`; completions:
-`choices[k].prompt_token_ids`, `choices[k].token_ids`, `choices[k].logprobs.token_logprobs`;
-both: `jgrpo` = {rollout, call, budget_cut}. Logprobs are the sampler's log_softmax(logits /
-T) of each id (before top-p), always returned."""
+`Endpoint(tokenizer, stop_ids)` runs a stdlib `ThreadingHTTPServer` on 127.0.0.1 (a free port):
+`/rollouts/<id>/v1/chat/completions` and `/completions` (POST), `/rollouts/<id>/v1/models` and
+`/v1/models` (GET); `base_url(id)` is the prefix a client passes unchanged; every request needs
+`Authorization: Bearer <api_key>` (random per endpoint). A handler thread checks and renders a
+request (jgrpo.rollout.openai_api), queues it and waits. The thread that calls `step` (the
+rollout's: it owns the device) runs every queued request as ONE sampler batch (n choices = n
+rows) once each running rollout has one queued, or `gather_s` after the last arrival
+(`batch_sizes` records the rows). A chat request that repeats an earlier call's messages, the
+assistant message it returned and new messages continues at the token level: that call's
+prompt + completion ids + `ChatFormat.reply_ids` of the new messages. Each rollout's calls and
+sequences: jgrpo.rollout.agent_record (the split rule, the budget). docs/agents.md."""
 
 from __future__ import annotations
 
@@ -48,137 +26,22 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from jgrpo.rollout.agent_record import Call, Choice, Rollout, Settings
 from jgrpo.rollout.conversation import ChatFormat
+from jgrpo.rollout.openai_api import (
+    MAX_BODY,
+    MAX_N,
+    RequestError,
+    check_sampling,
+    completion_prompt_ids,
+    models_body,
+    normal_message,
+    response_body,
+    same_assistant,
+)
 from jgrpo.rollout.tool_calls import parse_tool_calls
 
-MAX_N = 16
-"""Most choices one request may ask for."""
-MAX_BODY = 16 << 20
-"""Largest request body (bytes)."""
-MODEL_NAME = "jgrpo-policy"
-"""What /v1/models lists; requests may name any model (the policy answers)."""
-
-_COMMON = {
-    "model", "temperature", "top_p", "max_tokens", "stop", "n", "stream", "user",
-    "logprobs", "top_logprobs", "return_token_ids", "metadata", "store",
-}  # fmt: skip
-_CHAT_FIELDS = _COMMON | {
-    "messages", "tools", "tool_choice", "max_completion_tokens", "parallel_tool_calls",
-}  # fmt: skip
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _ROUTE = re.compile(r"^/rollouts/([A-Za-z0-9_.-]+)/v1/(chat/completions|completions|models)$")
-
-
-class RequestError(Exception):
-    """A request the endpoint refuses: becomes OpenAI's error JSON with `status`."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status != 401 else "authentication_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        }
-
-
-@dataclasses.dataclass
-class Choice:
-    """One sampled completion of a call."""
-
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    """stop (a stop token or string), length (max_tokens or the budget), tool_calls."""
-    text: str
-    message: Optional[dict] = None
-    """Chat calls: the assistant message returned (content, tool_calls)."""
-
-
-@dataclasses.dataclass
-class Call:
-    """One request of a rollout, as served."""
-
-    index: int
-    kind: str
-    """chat or completion."""
-    prompt_ids: list[int]
-    messages: Optional[list[dict]] = None
-    """Chat calls: the request's messages, normalised (`_normal_message`)."""
-    tools_key: str = ""
-    choices: list[Choice] = dataclasses.field(default_factory=list)
-    budget_cut: bool = False
-
-
-@dataclasses.dataclass
-class Sequence:
-    """One training sequence of a rollout: prompt (mask 0) ++ region (generated: mask 1)."""
-
-    prompt: list[int]
-    region: list[int] = dataclasses.field(default_factory=list)
-    generated: list[bool] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    truncated: bool = False
-    """Its last completion ended by length (max_tokens or the budget)."""
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt + self.region
-
-
-@dataclasses.dataclass
-class Rollout:
-    """What the endpoint keeps of one rollout (`open` ... `close`)."""
-
-    id: str
-    row: int
-    """Global row index (keys its draws)."""
-    budget: int
-    max_calls: int
-    calls: list[Call] = dataclasses.field(default_factory=list)
-    sequences: list[Sequence] = dataclasses.field(default_factory=list)
-    issued: int = 0
-    """Calls accepted so far (the next call's index)."""
-    budget_cuts: int = 0
-    bad_requests: int = 0
-    in_flight: int = 0
-    since: float = 0.0
-    waited_s: float = 0.0
-
-    def waited(self, now: float) -> float:
-        """Seconds this rollout has had a request in the endpoint (queued or sampling)."""
-        return self.waited_s + (now - self.since if self.in_flight else 0.0)
-
-    def longest_prefix(self, ids: list[int]) -> Optional[Sequence]:
-        """The sequence with the most ids that `ids` starts with (None: none)."""
-        best = None
-        for s in self.sequences:
-            full = s.ids
-            if len(full) <= len(ids) and ids[: len(full)] == full:
-                if best is None or len(full) > len(best.ids):
-                    best = s
-        return best
-
-    def budget_left(self, prompt_ids: list[int]) -> int:
-        s = self.longest_prefix(prompt_ids)
-        used = 0 if s is None else len(prompt_ids) - len(s.prompt)
-        return self.budget - used
-
-    def add(self, prompt_ids: list[int], choice: Choice) -> None:
-        """Extend the longest sequence `prompt_ids` continues (if the region still fits), else
-        start a new one."""
-        s = self.longest_prefix(prompt_ids)
-        if s is not None and len(prompt_ids) - len(s.prompt) + len(choice.ids) <= self.budget:
-            gap = prompt_ids[len(s.ids) :]
-            s.region += gap + choice.ids
-            s.generated += [False] * len(gap) + [True] * len(choice.ids)
-            s.logprobs += [0.0] * len(gap) + choice.logprobs
-        else:
-            s = Sequence(list(prompt_ids), list(choice.ids), [True] * len(choice.ids))
-            s.logprobs = list(choice.logprobs)
-            self.sequences.append(s)
-        s.truncated = choice.finish_reason == "length"
 
 
 @dataclasses.dataclass
@@ -192,80 +55,6 @@ class _Pending:
     parse_tools: bool
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: Optional[RequestError] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The run's bounds for the rollouts opened together (`Endpoint.open`)."""
-
-    budget: int
-    """N: a sequence's ids after its first prompt (rollout.max_new_tokens)."""
-    max_calls: int
-    """Calls per rollout (rollout.max_turns)."""
-    temperature: float
-    top_p: float
-    """The default top_p of a request that gives none."""
-
-
-def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise RequestError(f"{where}: only text content parts are supported", where)
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise RequestError(f"{where}: content must be a string or a list of text parts", where)
-
-
-def _normal_message(m: Any, i: int) -> dict:
-    """A chat message as the template renders it and as calls are compared: role, content
-    (text), name, tool_call_id, tool_calls [{type, function: {name, arguments (a dict)}}]."""
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-        raise RequestError(
-            f"{where}: a message must be an object whose role is system, user, assistant or tool",
-            where,
-        )
-    out: dict[str, Any] = {"role": m["role"], "content": _text_of(m.get("content"), where)}
-    for key in ("name", "tool_call_id"):
-        if m.get(key) is not None:
-            out[key] = str(m[key])
-    calls = m.get("tool_calls")
-    if calls:
-        if m["role"] != "assistant" or not isinstance(calls, list):
-            raise RequestError(f"{where}.tool_calls: only an assistant message has a list", where)
-        out["tool_calls"] = []
-        for c in calls:
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise RequestError(f"{where}.tool_calls: each needs function.name", where)
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except ValueError:
-                    raise RequestError(
-                        f"{where}.tool_calls: arguments are not JSON", where
-                    ) from None
-            out["tool_calls"].append(
-                {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-            )
-    return out
-
-
-def _same_assistant(message: dict, returned: Optional[dict]) -> bool:
-    """The agent sent back the assistant message the endpoint returned (ids ignored)."""
-    if returned is None or message["role"] != "assistant":
-        return False
-    calls = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m]
-    return (message["content"] or "") == (returned.get("content") or "") and calls(
-        message.get("tool_calls", [])
-    ) == calls(returned.get("tool_calls", []))
 
 
 class Endpoint:
@@ -479,58 +268,12 @@ class Endpoint:
         return self._formats[key]
 
     def _parse(self, rollout: Rollout, settings: Settings, route: str, body: dict) -> _Pending:
-        chat = route == "chat/completions"
-        allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-        for key in body:
-            if key not in allowed:
-                raise RequestError(
-                    f"{key}: not supported by this endpoint; allowed: {', '.join(sorted(allowed))}",
-                    key,
-                )
-        if body.get("stream"):
-            raise RequestError("stream: streaming is not supported; send stream: false", "stream")
-        if body.get("echo"):
-            raise RequestError("echo: not supported", "echo")
-        temperature = body.get("temperature")
-        if temperature is not None and (
-            not isinstance(temperature, (int, float)) or temperature != settings.temperature
-        ):
-            raise RequestError(
-                f"temperature: this run samples at {settings.temperature:g} (the trainer scores "
-                "at it); omit temperature or send that value",
-                "temperature",
-            )
-        top_p = body.get("top_p", settings.top_p)
-        if top_p is None:
-            top_p = settings.top_p
-        if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
-            raise RequestError(f"top_p: must lie in (0, 1], got {top_p!r}", "top_p")
-        n = body.get("n", 1) if body.get("n") is not None else 1
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
-            raise RequestError(f"n: must be an integer in [1, {MAX_N}], got {n!r}", "n")
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else stops
-        if (
-            not isinstance(stops, list)
-            or len(stops) > 4
-            or not all(isinstance(s, str) and s for s in stops)
-        ):
-            raise RequestError("stop: a non-empty string or a list of at most 4 of them", "stop")
-        max_key = (
-            "max_completion_tokens"
-            if body.get("max_completion_tokens") is not None
-            else ("max_tokens")
-        )
-        max_tokens = body.get(max_key)
-        if max_tokens is not None and (
-            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-        ):
-            raise RequestError(f"{max_key}: must be an integer >= 1, got {max_tokens!r}", max_key)
+        n, top_p, stops, max_tokens = check_sampling(route, body, settings)
         parse_tools = False
-        if chat:
+        if route == "chat/completions":
             call, parse_tools = self._chat_call(rollout, body)
         else:
-            call = self._completion_call(body)
+            call = Call(-1, "completion", completion_prompt_ids(self.tokenizer, body))
         with self._cond:
             left = rollout.budget_left(call.prompt_ids)
         if left < 1:
@@ -549,7 +292,7 @@ class Endpoint:
         raw = body.get("messages")
         if not isinstance(raw, list) or not raw:
             raise RequestError("messages: a non-empty list of messages is required", "messages")
-        messages = [_normal_message(m, i) for i, m in enumerate(raw)]
+        messages = [normal_message(m, i) for i, m in enumerate(raw)]
         tools = body.get("tools") or None
         if tools is not None:
             if not isinstance(tools, list) or not all(
@@ -576,7 +319,7 @@ class Endpoint:
                 if messages[:m] != c.messages:
                     continue
                 for ch in c.choices:
-                    if ch.finish_reason != "length" and _same_assistant(messages[m], ch.message):
+                    if ch.finish_reason != "length" and same_assistant(messages[m], ch.message):
                         prompt_ids = c.prompt_ids + ch.ids + fmt.reply_ids(messages[m + 1 :])
                         break
                 if prompt_ids is not None:
@@ -594,121 +337,8 @@ class Endpoint:
         call = Call(-1, "chat", prompt_ids, messages=messages, tools_key=tools_key)
         return call, parse_tools
 
-    def _completion_call(self, body: dict) -> Call:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # one prompt in a list
-        if isinstance(prompt, str) and prompt:
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            vocab = len(self.tokenizer)
-            if not all(0 <= t < vocab for t in prompt):
-                raise RequestError(f"prompt: token ids must lie in [0, {vocab})", "prompt")
-            ids = list(prompt)
-        else:
-            raise RequestError(
-                "prompt: one non-empty string or one list of token ids is required", "prompt"
-            )
-        return Call(-1, "completion", ids)
-
     def _response(self, rollout: Rollout, p: _Pending) -> dict:
-        call = p.call
-        tok = self.tokenizer
-        extra = {"rollout": rollout.id, "call": call.index, "budget_cut": call.budget_cut}
-        completion_tokens = sum(len(c.ids) for c in call.choices)
-        usage = {
-            "prompt_tokens": len(call.prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(call.prompt_ids) + completion_tokens,
-        }
-        now = int(time.time())
-        if call.kind == "chat":
-            choices = []
-            for k, c in enumerate(call.choices):
-                message: dict[str, Any] = {"role": "assistant", "content": c.message["content"]}
-                if c.message.get("tool_calls"):
-                    message["content"] = c.message["content"] or None
-                    message["tool_calls"] = [
-                        {
-                            "id": f"call_{rollout.id}_{call.index}_{k}_{j}",
-                            "type": "function",
-                            "function": {
-                                "name": t["function"]["name"],
-                                "arguments": json.dumps(t["function"]["arguments"]),
-                            },
-                        }
-                        for j, t in enumerate(c.message["tool_calls"])
-                    ]
-                content = [
-                    {
-                        "token": tok.decode([i]),
-                        "logprob": lp,
-                        "bytes": list(tok.decode([i]).encode()),
-                        "top_logprobs": [],
-                    }
-                    for i, lp in zip(c.ids, c.logprobs)
-                ]
-                choices.append(
-                    {
-                        "index": k,
-                        "message": message,
-                        "finish_reason": c.finish_reason,
-                        "logprobs": {"content": content},
-                        "token_ids": c.ids,
-                    }
-                )
-            return {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": now,
-                "model": MODEL_NAME,
-                "choices": choices,
-                "usage": usage,
-                "prompt_token_ids": call.prompt_ids,
-                "jgrpo": extra,
-            }
-        choices = []
-        for k, c in enumerate(call.choices):
-            tokens = [tok.decode([i]) for i in c.ids]
-            offsets, at = [], 0
-            for t in tokens:
-                offsets.append(at)
-                at += len(t)
-            choices.append(
-                {
-                    "index": k,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": {
-                        "tokens": tokens,
-                        "token_logprobs": c.logprobs,
-                        "top_logprobs": None,
-                        "text_offset": offsets,
-                    },
-                    "prompt_token_ids": call.prompt_ids,
-                    "token_ids": c.ids,
-                }
-            )
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": now,
-            "model": MODEL_NAME,
-            "choices": choices,
-            "usage": usage,
-            "jgrpo": extra,
-        }
-
-
-def models_body() -> dict:
-    return {
-        "object": "list",
-        "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "jgrpo"}],
-    }
+        return response_body(self.tokenizer, rollout.id, p.call)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -422,7 +422,7 @@ class RolloutEngine:
     ) -> RolloutResult:
         """A data.agent rollout (jgrpo.rollout.agent_rollout): one endpoint rollout per row,
         its sequences as training rows, scored by the agent's reward and the task's terms."""
-        from jgrpo.rollout.endpoint import Settings
+        from jgrpo.rollout.agent_record import Settings
 
         runner = self.task.agent_runner
         # a call also stops at the template's end of turn (ChatFormat.stop_ids)

@@ -1,19 +1,15 @@
 """Agents in a contained child process (jgrpo.tasks.child): `data.agent`, many rollouts at once.
 
 An agent is `async def agent(client, record) -> reward | dict | None` (`data.agent:
-"module:function"`, or the function from Python). The child imports it (a coroutine function,
-else a ConfigError naming data.agent at start-up), then runs each job it is sent, every row of
-the job concurrently in one asyncio loop: `client` is an `openai.AsyncOpenAI` whose base_url is
-the row's rollout prefix of the endpoint (jgrpo.rollout.endpoint) and api_key the run's key,
-`record` the row's dataset record. Each row's result goes back as soon as it is known:
-a number (the reward), None (no reward of its own), or a dict {"reward": number | None,
-"completion": text | None} (`completion`: the final answer the task's verifier and reward
-functions score; default: the last call's text). An agent that raises, returns anything else
-or runs past data.agent_timeout_s fails: counted, its traceback kept for the trainer
-(`take_failures`). An agent that blocks the event loop is stopped by SIGALRM at the timeout +
-0.5 s (every unfinished row of its job times out); a child stuck past that + KILL_SLACK_S, or
-crashed, is killed (its unfinished rows fail) and restarted for the next job.
-`AgentRunner`: `submit(jobs, api_key)` (non-blocking), `poll()` -> finished rows, `running`."""
+"module:function"`, or the function). The child imports it (not a coroutine function: a
+ConfigError naming data.agent at start-up), then runs each job's rows concurrently in one
+asyncio loop, each with an `openai.AsyncOpenAI` on its rollout's base_url and the run's key.
+A row's result goes back when known: a number, None, or {"reward", "completion"} (checked);
+an agent that raises or returns anything else fails (counted; its traceback kept for
+`take_failures`). The parent's `cancel(row)` (the agent's own time ran out) cancels it: TIMEOUT;
+an agent that blocks its loop gets its process killed KILL_SLACK_S later (every unfinished
+row of that process times out) and restarted for the next job.
+`AgentRunner`: `submit(jobs, api_key)` (non-blocking), `poll()`, `cancel(row)`, `running`."""
 
 from __future__ import annotations
 
