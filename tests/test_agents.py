@@ -349,9 +349,9 @@ AGENTS = textwrap.dedent(
         if record["id"].endswith("1"):
             raise ValueError("the agent's own bug")
         if record["id"].endswith("0"):
-            time.sleep(30)  # blocks the event loop: its process is killed
+            time.sleep(120)  # blocks the event loop: its process is killed
         if record["id"].endswith("3"):
-            await asyncio.sleep(30)  # waits: cancelled
+            await asyncio.sleep(120)  # waits: cancelled
         return 1.0
 
     def not_async(client, record):
@@ -444,7 +444,7 @@ def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, cap
     from jgrpo.tasks.child import forget_reports, report_failures
 
     cfg, engine, graphdef, params, examples = agent_engine(
-        chat_model, f"{agent_module}:broken", "data.agent_timeout_s=3", "data.tool_processes=4"
+        chat_model, f"{agent_module}:broken", "data.agent_timeout_s=15", "data.tool_processes=4"
     )  # a process per row: the hanging agent blocks its own process only
     examples += [
         {"task": "prompts", "row": {"prompt": p, "id": f"r{i}"}, "id": f"train/{i}"}
@@ -454,7 +454,7 @@ def test_a_raising_and_a_hanging_agent_are_counted(chat_model, agent_module, cap
         result = engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 1)
     finally:
         engine.task.close()
-    assert result.stats["agents/errors"] == 1 and result.stats["agents/timeouts"] == 2
+    assert (result.stats["agents/errors"], result.stats["agents/timeouts"]) == (1, 2), result.stats
     assert np.asarray(result.batch["group_ids"]).tolist() == [-1, -1, 2, -1]
     forget_reports()
     report_failures(result.failures)
