@@ -271,11 +271,6 @@ class DataConfig:
             return self.use_chat_template
         return self.task != "prompts" or bool(self.tools) or self.environment is not None
 
-    @property
-    def has_agent(self) -> bool:
-        """The rollouts are run by data.agent (jgrpo.rollout.agent_rollout)."""
-        return self.agent is not None
-
 
 @dataclasses.dataclass(**_FROZEN)
 class AdvantageConfig:
