@@ -405,8 +405,10 @@ def test_agent_rollouts_train_on_exactly_the_sampled_tokens(chat_model, agent_mo
     cfg, engine, graphdef, params, examples = agent_engine(chat_model, f"{agent_module}:talk")
     try:
         result = engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 4)
+        val = engine.rollout(graphdef, params, examples, jax.random.key(1), 0, 4, training=False)
     finally:
         engine.task.close()
+    assert len(val.batch["group_ids"]) == 8  # evaluation: one row per rollout
     batch = result.step_batch()
     rollouts = result.agent_rollouts
     assert [len(r.sequences) for r in rollouts] == [1] * 4 + [2] * 4  # record r1 rewrites

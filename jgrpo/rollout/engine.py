@@ -480,6 +480,10 @@ class RolloutEngine:
         batch["reward_status"] = np.where(real[:, None], status[at], 0).astype(np.int8)
         if training:
             dapo.shape_training_batch(batch, self.cfg)
+        else:  # evaluation reads one row per rollout (accuracy, pass@k, maj@n): its first
+            batch = {k: v[batch["agent_first_row"] > 0] for k, v in batch.items()}
+            if (votes := task.votes(completions)) is not None:
+                batch["vote_ids"] = vote_ids(votes)
         sizes = timing["batch_sizes"]
         counts = {
             "reward/num_errors": float(info["num_reward_errors"]),
@@ -505,6 +509,8 @@ class RolloutEngine:
         ]
         failures = list(info["failures"]) + runner.take_failures()
         stats = batch_stats(batch, names) | counts
+        if info["accuracy"] is not None:  # per rollout, not per row
+            stats["reward/accuracy"] = info["accuracy"]
         result = RolloutResult(batch, stats, samples, names, failures)
         result.agent_rollouts = rollouts  # the endpoint's records (tests, inspection)
         result.sampler_batch_sizes = sizes
