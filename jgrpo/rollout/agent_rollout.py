@@ -168,6 +168,29 @@ def build_rows(rollouts, results, tokenizer, prompt_bucket: int, n: int, pad_id:
     return arrays, owner_r, completions
 
 
+def score_rows(arrays, owner, rollouts, ok, rows, rewards, info, version: int) -> dict:
+    """The batch of `build_rows`' arrays with each row's rollout scores (`Task.score`'s
+    rewards and info, per rollout): reward, group (rows[b]; -1 for padding and for a rollout
+    whose agent failed or made no sequence: no sample), sample_mask, correct, reward terms."""
+    has_rows = ok & np.asarray([bool(r.sequences) for r in rollouts])
+    real = owner >= 0
+    at = np.maximum(owner, 0)
+    batch = dict(arrays)
+    batch["rewards"] = np.where(real, rewards[at], 0.0).astype(np.float32)
+    keep = real & has_rows[at]
+    batch["group_ids"] = np.where(keep, np.asarray(rows)[at], -1).astype(np.int32)
+    sample_mask = np.asarray(info["sample_mask"], np.float32)[at]
+    batch["sample_mask"] = np.where(keep, sample_mask, 0.0).astype(np.float32)
+    batch["weight_version"] = np.full(len(owner), version, np.int32)
+    if info["correct"] is not None:
+        batch["correct"] = np.where(real, np.asarray(info["correct"], bool)[at], False)
+    terms = np.asarray(info["reward_terms"], np.float32).reshape(len(rows), -1)
+    status = np.asarray(info["reward_status"], np.int8).reshape(len(rows), terms.shape[1])
+    batch["reward_terms"] = np.where(real[:, None], terms[at], np.nan).astype(np.float32)
+    batch["reward_status"] = np.where(real[:, None], status[at], 0).astype(np.int8)
+    return batch
+
+
 def agent_stats(batch) -> dict[str, float]:
     """The agent metrics of a batch holding AGENT_COUNTS (empty when it does not)."""
     if "agent_calls" not in batch:

@@ -461,23 +461,8 @@ class RolloutEngine:
             prompts, completions, row_examples, environment_rewards=agent_rewards
         )
         scored = time.perf_counter()
-        has_rows = ok & np.asarray([bool(r.sequences) for r in rollouts])
-        real = owner >= 0
-        at = np.maximum(owner, 0)
         names = tuple(task.reward_names)
-        batch = dict(arrays)
-        batch["rewards"] = np.where(real, rewards[at], 0.0).astype(np.float32)
-        keep = real & has_rows[at]
-        batch["group_ids"] = np.where(keep, np.asarray(rows)[at], -1).astype(np.int32)
-        sample_mask = np.asarray(info["sample_mask"], np.float32)[at]
-        batch["sample_mask"] = np.where(keep, sample_mask, 0.0).astype(np.float32)
-        batch["weight_version"] = np.full(len(owner), version, np.int32)
-        if info["correct"] is not None:
-            batch["correct"] = np.where(real, np.asarray(info["correct"], bool)[at], False)
-        terms = np.asarray(info["reward_terms"], np.float32).reshape(len(rows), len(names))
-        status = np.asarray(info["reward_status"], np.int8).reshape(len(rows), len(names))
-        batch["reward_terms"] = np.where(real[:, None], terms[at], np.nan).astype(np.float32)
-        batch["reward_status"] = np.where(real[:, None], status[at], 0).astype(np.int8)
+        batch = agent_rollout.score_rows(arrays, owner, rollouts, ok, rows, rewards, info, version)
         if training:
             dapo.shape_training_batch(batch, self.cfg)
         else:  # evaluation reads one row per rollout (accuracy, pass@k, maj@n): its first
