@@ -10,7 +10,7 @@
 Or TRL's shape: `GRPOTrainer(model=..., reward_funcs=..., args=jgrpo.GRPOConfig(...),
 train_dataset=..., peft_config=...)` (`jgrpo.trl_config`, docs/trl.md). It runs the CLI's loop
 (`jgrpo.train.run`), validated like the CLI; the keys apply in the order config, args, model,
-peft_config, overrides; reward functions, tools and environment join data.* before
+peft_config, overrides; reward functions, tools, environment and agent join data.* before
 `validate`; a train_dataset makes data.task `prompts` unless the config names a task."""
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def build_config(
     reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
     tools: Sequence[Union[str, Callable[..., Any]]] = (),
     environment: Union[str, type, None] = None,
+    agent: Union[str, Callable[..., Any], None] = None,
     *,
     args=None,
     model=None,
@@ -154,7 +155,7 @@ def build_config(
 ) -> Config:
     """The validated Config of a path / dict / Config, then TRL's `args` (a jgrpo.GRPOConfig),
     `model` and `peft_config`, then overrides; plus reward functions, tools (appended to
-    data.tools) and an environment class (data.environment)."""
+    data.tools), an environment class (data.environment) and an agent (data.agent)."""
     if config is None or isinstance(config, (str, Path)):
         data = read_config(config)  # validated below, with the functions
     elif isinstance(config, Config):
@@ -169,12 +170,14 @@ def build_config(
     if overrides:
         data = apply_overrides(data, list(overrides))
     extra = _weighted(_reward_items(reward_funcs), getattr(args, "reward_weights", None))
-    if extra or tools or environment is not None:
+    if extra or tools or environment is not None or agent is not None:
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
         section["tools"] = list(section.get("tools") or []) + list(tools)
         if environment is not None:
             section["environment"] = environment
+        if agent is not None:
+            section["agent"] = agent
         data = {**data, "data": section}
     cfg = validate(from_dict(Config, data))
     from jgrpo.tasks.task import check_rewards_given
@@ -197,6 +200,7 @@ class GRPOTrainer:
         overrides: Sequence[str] = (),
         tools: Sequence[Union[str, Callable[..., Any]]] = (),
         environment: Union[str, type, None] = None,
+        agent: Union[str, Callable[..., Any], None] = None,
         model=None,
         args=None,
         peft_config=None,
@@ -214,6 +218,7 @@ class GRPOTrainer:
             reward_funcs,
             tools,
             environment,
+            agent,
             args=args,
             model=model,
             peft_config=peft_config,

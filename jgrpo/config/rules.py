@@ -546,6 +546,7 @@ def needs_chat_turns(cfg: Config) -> bool:
     chat template must end a turn with a token and give reply ids (checked before a load)."""
     data = cfg.data
     tools = bool(data.tools) or data.environment is not None or data.task == "calculator"
+    tools = tools or data.agent is not None
     return cfg.rollout.max_turns > 1 or tools
 
 
@@ -564,8 +565,29 @@ def check_turns(cfg: Config) -> None:
             ":" in data.environment and all(data.environment.split(":", 1)),
             f"data.environment: {data.environment!r} must look like module:Class",
         )
+    if data.agent is not None:
+        if isinstance(data.agent, str):
+            _require(
+                ":" in data.agent and all(data.agent.split(":", 1)),
+                f"data.agent: {data.agent!r} must look like module:function",
+            )
+        _require(
+            not data.tools and data.environment is None,
+            "data.agent: an agent runs its own tools and environment; give data.agent or "
+            "data.tools / data.environment, not both",
+        )
+        _require(
+            not cfg.grpo.use_dynamic_sampling,
+            "data.agent: grpo.use_dynamic_sampling is not supported with agents (a rollout may "
+            "make several rows); set it to false",
+        )
+        _require(
+            data.agent_timeout_s > 0,
+            f"data.agent_timeout_s: must be > 0, got {data.agent_timeout_s}",
+        )
     _require(
         ro.max_turns == 1
+        or data.agent is not None
         or data.tools
         or data.environment is not None
         or data.task == "calculator",

@@ -255,6 +255,10 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+    agent: Union[str, Callable[..., Any], None] = None
+    """`module:function`: an async agent(client, record) that runs each rollout (docs/agents.md)."""
+    agent_timeout_s: float = 300.0
+    """An agent's whole rollout running past this fails (counted; its rollout holds no sample)."""
 
     @property
     def wraps_string_prompts(self) -> bool:
