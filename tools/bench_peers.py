@@ -185,14 +185,18 @@ class Driver:
         self.generation_s, self.lengths = 0.0, []
         self.start = time.perf_counter()
 
-    def done(self) -> None:
+    def done(self, length_mean=None, length_max=None) -> None:
+        """Report the step (lengths: of `self.lengths`, the completions the side recorded,
+        unless given)."""
         step_s = time.perf_counter() - self.start
+        if length_mean is None and self.lengths:
+            length_mean, length_max = np.mean(self.lengths), np.max(self.lengths)
         self.conn.send(
             {
                 "step_s": step_s,
                 "generation_s": self.generation_s,
-                "length_mean": float(np.mean(self.lengths)) if self.lengths else None,
-                "length_max": float(np.max(self.lengths)) if self.lengths else None,
+                "length_mean": None if length_mean is None else float(length_mean),
+                "length_max": None if length_max is None else float(length_max),
             }
         )
 
@@ -252,8 +256,7 @@ def serve_jgrpo(side: str, spec: dict, driver: Driver) -> None:
             driver.wait()
             metrics = stepper()
             driver.generation_s = metrics["perf/generation_s"]
-            driver.lengths = [metrics["length/mean"]]
-            driver.done()
+            driver.done(metrics["length/mean"], metrics["length/max"])
     finally:
         stepper.close()
 
@@ -591,15 +594,15 @@ def main(argv=None) -> dict:
     }
     workdir = Path(args.out) / "work"
     workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
     for shape in shapes:
         steps = args.steps or (3 if shape == "tiny" else 1)
         report["shapes"][shape] = bench_shape(shape, sides, args.rounds, steps, workdir)
-    report["load_after"] = os.getloadavg()[0]
+        report["load_after"] = os.getloadavg()[0]
+        text = json.dumps(report, indent=2, default=str)  # after each shape: a crash keeps it
+        (out / f"{report['time_utc'].replace(':', '')}.json").write_text(text)
+        (out / "latest.json").write_text(text)
     print_report(report)
-    out = Path(args.out)
-    text = json.dumps(report, indent=2, default=str)
-    (out / f"{report['time_utc'].replace(':', '')}.json").write_text(text)
-    (out / "latest.json").write_text(text)
     print(f"\nsaved {out / 'latest.json'}")
     return report
 

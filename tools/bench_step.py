@@ -203,7 +203,7 @@ def measure_phases(cfg, repeats: int, matmul_limit: float, rounds: int = 3) -> d
     host["token_mask"][:] = 0
     host["token_mask"][:, prompt:] = 1
     batch = TrainBatch(**host).shard(mesh)
-    params = built.state.params
+    params = jax.tree.map(jnp.copy, built.state.params)  # the whole step donates the state's
 
     @jax.jit
     def forward(params, batch):
