@@ -16,8 +16,10 @@ jgrpo's:
 
 Sides: `jgrpo` (the trainer with its defaults and the CPU configs' `model.remat: dots`),
 `jgrpo-fast` (the same + rollout.compact_decode, rollout.shared_prefill and
-grpo.sequence_packing), `trl` (trl.GRPOTrainer with its defaults), `tunix` (tunix's
-GrpoLearner on its own Llama3 / Qwen2 models, the vanilla rollout engine). The same for all:
+grpo.sequence_packing: since these became the defaults the two sides run the same program;
+`jgrpo-fast` stays so that an older checkout on PYTHONPATH measures both), `trl`
+(trl.GRPOTrainer with its defaults), `tunix` (tunix's GrpoLearner on its own Llama3 / Qwen2
+models, the vanilla rollout engine). The same for all:
 the model folder (weights, tokenizer), the prompts (exactly 32 tokens each, no chat template),
 the reward function (`checksum_reward`), temperature 1, top-p 1, no top-k, 4 generations per
 prompt, float32, learning rate 1e-6, constant schedule, no KL term (beta 0: no reference

@@ -169,7 +169,7 @@ def _flops(fn, args) -> float:
 
 
 def phases_config(model_path: str, rows: int, prompt: int, new: int, extra=()):
-    """The train step's config of `bench.py`'s sizes: on-policy, one device."""
+    """The train step's config of `bench.py`'s sizes: on-policy, one device, unpacked rows."""
     return load_config(
         None,
         [
@@ -180,6 +180,7 @@ def phases_config(model_path: str, rows: int, prompt: int, new: int, extra=()):
             f"rollout.prompt_bucket={prompt}",
             f"rollout.max_new_tokens={new}",
             "loss.force_on_policy_ratio=true",
+            "grpo.sequence_packing=false",  # rows as they are: every row is full here anyway
             "mesh.data=1",
             *extra,
         ],
