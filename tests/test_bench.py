@@ -106,6 +106,7 @@ def test_reward_model_bench_smoke_prints_each_variant(tmp_path):
     assert all(float(v) > 0 for v in rows["local RM"])
 
 
+@pytest.mark.heavy  # ~14 s of CPU (torch + transformers loads); the tool checks it at each run
 def test_peer_bench_folders_make_every_logit_the_target_in_jgrpo(tmp_path):
     """tools/bench_peers.py's crafted folders: constant embedding rows make the last hidden
     state the same at every position, so the untied LM head it solves for gives the target
