@@ -171,7 +171,7 @@ def test_config_rules_are_small_functions():
     assert not long, f"functions over {MAX_CONFIG_FUNCTION_LINES} lines: {long}"
 
 
-CONFIG_LAYERS = ("sections", "rules", "loading", "resume")
+CONFIG_LAYERS = ("model_sections", "sections", "bounds", "rules", "loading", "resume")
 """jgrpo.config's parts, lowest first: each imports only parts before it (no circles)."""
 
 

@@ -62,7 +62,7 @@ PEAK_BF16 = {  # dense (no sparsity) bf16 tensor-core peak, FLOP/s
 HBM_BYTES_PER_S = {  # memory bandwidth, bytes/s
     "H200": 4.8e12,
     "H100": 3.35e12,  # SXM; the PCIe card is 2.0e12
-    "A100": 2.0e12,  # 80 GB SXM
+    "A100": 2.0e12,  # the 80-gigabyte SXM part
 }
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,82 +14,15 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Optional, Union
 
+from jgrpo.config.model_sections import FROZEN as _FROZEN
+from jgrpo.config.model_sections import LoRAConfig as LoRAConfig  # the model section, re-exported
+from jgrpo.config.model_sections import LoRATarget as LoRATarget
+from jgrpo.config.model_sections import ModelConfig as ModelConfig
+from jgrpo.config.model_sections import MoEConfig as MoEConfig
+
 
 class ConfigError(ValueError):
     """Invalid configuration: the message is one line naming the dotted key."""
-
-
-_FROZEN = dict(frozen=True, kw_only=True)
-
-
-LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclasses.dataclass(**_FROZEN)
-class LoRAConfig:
-    """LoRA: train low-rank adapters of the projections; the base stays frozen (and is the
-    reference policy: the forward without adapters)."""
-
-    rank: int = 0
-    """r: adapter rank (0 = off: full fine-tuning)."""
-    alpha: float = 16.0
-    """Adapter updates are scaled by alpha / rank (PEFT's lora_alpha)."""
-    target_modules: tuple[LoRATarget, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-    """Projections (PEFT/HF module names) that get adapters; default all attention and MLP."""
-
-
-@dataclasses.dataclass(**_FROZEN)
-class MoEConfig:
-    """Mixture-of-Experts models (qwen3_moe, glm4_moe; docs/moe.md); ignored by dense ones."""
-
-    router_aux_loss_coef: Optional[float] = None
-    """Load-balancing loss weight (None = the HF config's router_aux_loss_coef, else 0)."""
-    router_z_loss_coef: float = 0.0
-    """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
-    router_replay: bool = False
-    """Train step routes each generated token to the experts the sampler recorded for it."""
-    record_routing: bool = False
-    """Record the sampler's experts for moe/routing_mismatch only, never replayed."""
-
-
-@dataclasses.dataclass(**_FROZEN)
-class ModelConfig:
-    """The policy model (and its reference copy)."""
-
-    path: str = "builtin:tiny-qwen2"
-    """HF folder, hub id, `smollm2` or `builtin:NAME` (tiny-qwen2(-chat), tiny-{qwen3,glm4}-moe)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Activation/matmul dtype; auto = bfloat16 on GPU/TPU or with dtype bfloat16, else float32."""
-    remat: Literal["none", "full", "dots"] = "full"
-    """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
-    logprob_chunk_size: int = 128
-    """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
-    attention_block_size: int = 1024
-    """Rows longer than this use blockwise attention (memory linear in length; 0 = never)."""
-    kernels: Literal["auto", "cpu", "portable"] = "auto"
-    """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
-    lora: LoRAConfig = LoRAConfig()
-    """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
-    moe: MoEConfig = MoEConfig()
-    """Router losses and router replay of Mixture-of-Experts models."""
-
-    def resolved_compute_dtype(self, platform: str) -> str:
-        """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
-        if self.compute_dtype != "auto":
-            return self.compute_dtype
-        if self.dtype == "bfloat16" or platform != "cpu":
-            return "bfloat16"
-        return "float32"
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -522,16 +455,18 @@ class SFTConfig:
     """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
     the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
     checkpoint and logging apply as they do to `jgrpo train`; data.* names the task whose tools
-    and prompt rendering the records take, and whose held-out set gives greedy accuracy."""
+    and prompt rendering the records take, and whose held-out set gives greedy accuracy.
+
+    Records (train_path, val_path): a .jsonl/.json/.parquet/.csv file, a save_to_disk folder
+    or a hub dataset id (splits train and test/validation), each a chat `messages` list or a
+    `prompt` and a `completion` (strings or message lists). With train_path None the records
+    are the data task's reference answers (arithmetic, countdown, gsm8k, calculator), and with
+    val_path None too, its held-out examples' references validate."""
 
     train_path: Optional[str] = None
-    """Training records: a file (.jsonl/.json/.parquet/.csv), a save_to_disk folder or a hub
-    dataset id (split train). A record is a chat `messages` list, or a `prompt` and a
-    `completion` (strings, or message lists). None = the data task's reference answers
-    (built-in tasks with one: arithmetic, countdown, gsm8k, calculator), in its training order."""
+    """Training records (file, save_to_disk folder, hub id); None = the task's references."""
     val_path: Optional[str] = None
-    """Validation records (same forms; split test or validation) for the validation loss. None
-    = none, or with train_path None the references of the data task's held-out examples."""
+    """Validation records (as train_path); None = none, or the task's held-out references."""
     dataset_config: Optional[str] = None
     """The hub dataset's configuration name (both paths), if it has several."""
     messages_key: str = "messages"
@@ -561,9 +496,7 @@ class SFTConfig:
     val_at_end: bool = True
     """Validate after the last step."""
     val_accuracy: Optional[bool] = None
-    """Validation also measures greedy accuracy on data's held-out set (tasks with a verifier),
-    sampled as `jgrpo eval` samples it (rollout.*). None = when the records are the data task's
-    own (sft.train_path unset, no train_dataset)."""
+    """Also greedy accuracy on data's held-out set; None = when the records are the task's."""
 
 
 @dataclasses.dataclass(**_FROZEN)

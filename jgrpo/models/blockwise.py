@@ -1,26 +1,16 @@
-"""Blockwise (flash-style) causal attention: memory linear in the row, the same math as the
-materialised attention of `jgrpo.models.kernels`.
+"""Blockwise (flash-style) causal attention: memory linear in the row, the materialised
+attention's math (`jgrpo.models.kernels`); docs/long-context.md explains it.
 
-The materialised path holds every [t, s] score of a row (per head); at 32k tokens that is 4 GiB
-per head in float32. Here queries and keys are cut into blocks and softmax(q k^T / sqrt(h)) v
-is accumulated block by block with a running maximum m and sum l per query (the online
-softmax): for each key block, m' = max(m, max_j s_j), l' = l e^(m - m') + sum_j e^(s_j - m'),
-acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j, and the output is acc / l. Key blocks wholly
-above a query block's diagonal are never visited (causal), so the work is about half of the
-square. The backward (`jax.custom_vjp`) keeps only the output and each query's log-sum-exp
-lse = m + log l, and recomputes each block's probabilities p = e^(s - lse):
-dv += p^T do, ds = p (do v^T - rowsum(do * o)), dq += ds k / sqrt(h), dk += ds^T q / sqrt(h).
-Temporaries are O(block_q x block_k) per head, never O(t x s).
-
-The mask is described, never materialised: query i sees key j when j <= i (the row's tokens
-at aligned positions, as in training), key j is a real token (`valid_bs`) and, in packed rows,
-both carry the same segment id (`segments_bs`). Scores of masked pairs are MASK_VALUE (finite),
-as in the materialised path, so a query row with no visible key (a padding position) is
-finite too; its value differs between the two paths (the materialised one averages every
-value of the row, this one those of the blocks it visits), and no real token reads it.
-Scores, the running sums and every gradient accumulate in float32; the probabilities enter
-the value matmul in v's dtype, as in the materialised path. Exact: float32 results equal the
-materialised path's to rounding (tests/test_long_context.py).
+Queries and keys are cut into blocks; per query a running max m, sum l and weighted value sum
+are updated key block by key block (online softmax; blocks above the diagonal skipped), the
+output is acc / l. The backward (`jax.custom_vjp`) keeps the output and lse = m + log l and
+recomputes each block's p = e^(s - lse): dv += p^T do, ds = p (do v^T - rowsum(do * o)),
+dq += ds k / sqrt(h), dk += ds^T q / sqrt(h). Temporaries: one block pair per head. The mask is
+described (`RowMask`: causal, real keys, same segment), never materialised; masked scores are
+MASK_VALUE as in the materialised path, so a padding query (no visible key) stays finite, with
+a value of its own that no real token reads. Scores, sums and gradients accumulate in float32;
+probabilities meet v in v's dtype. float32 equals the materialised path to rounding
+(tests/test_long_context.py).
 """
 
 from __future__ import annotations
