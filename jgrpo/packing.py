@@ -4,12 +4,11 @@ Host (numpy, deterministic): `pack_batch(batch, spec)` -> `PackedBatch(rows, lay
 the TrainBatch unchanged; `layout` holds each row's real tokens (attention_mask 1, in order, the
 row whole) in packed rows of `spec.width` tokens and `spec.scored_width` scored slots: longest
 row first, into the first packed row with room for its tokens and its scored tokens (token_mask
-1). Each microbatch packs the rows it holds unpacked (row i: minibatch i mod M, microbatch
-(i // M) mod K; packed rows likewise): an MoE model's router terms pool the same tokens. A
-packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions (0..L-1 = the
-row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored token, row by
-row in column order (recorded `expert_ids` [R, W, l_moe, k] go with their tokens, -1
-elsewhere). The packed rows per minibatch are a multiple of
+1). Minibatch m packs its own rows (row i, packed row j in minibatch i, j mod M, as the step
+splits them). A packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions
+(0..L-1 = the row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored
+token, row by row in column order (recorded `expert_ids` [R, W, l_moe, k] go with their
+tokens, -1 elsewhere). The packed rows per minibatch are a multiple of
 `spec.row_quantum`, bucketed (`row_buckets`: at most 4 log2(n) + 1 counts). Device:
 `unpack_logprobs` reads [R, H] slot logprobs back to rows [B, T], 0 off token_mask, so
 losses.py sees the unpacked batch's arrays; `microbatch_of` says which microbatch holds a row.
@@ -42,8 +41,6 @@ class PackSpec:
     row_quantum: int
     """Packed rows per minibatch are a multiple of this: microbatches x this process's
     data x fsdp devices (every microbatch splits over the batch-sharded devices)."""
-    num_microbatches: int = 1
-    """K: each microbatch packs its own rows (row_quantum is a multiple of it)."""
 
     @classmethod
     def from_config(cls, cfg, batch_devices: int) -> PackSpec:
@@ -54,7 +51,6 @@ class PackSpec:
             scored_width=cfg.rollout.max_new_tokens,
             num_minibatches=g.num_minibatches,
             row_quantum=g.num_microbatches * max(batch_devices // jax.process_count(), 1),
-            num_microbatches=g.num_microbatches,
         )
 
 
@@ -201,23 +197,21 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
     host = {name: np.asarray(value) for name, value in batch.items()}
     real_bt, scored_bt = host["attention_mask"] > 0, host["token_mask"] > 0
     b, t = real_bt.shape
-    m_count, k_count = spec.num_minibatches, spec.num_microbatches
-    groups = m_count * k_count  # (minibatch m, microbatch k) holds rows m + M k, + M K, ...
+    m_count = spec.num_minibatches
     width, h = spec.width or t, spec.scored_width
     _check_rows(real_bt, scored_bt, width, h)
     lengths_b, scored_b = real_bt.sum(1), scored_bt.sum(1)
     plans, need = [], 1
-    for start in range(groups):
-        rows = slice(start, None, groups)
-        plan, used = _first_fit_decreasing(lengths_b[rows], scored_b[rows], width, h)
+    for m in range(m_count):
+        plan, used = _first_fit_decreasing(lengths_b[m::m_count], scored_b[m::m_count], width, h)
         plans.append(plan)
         need = max(need, used)
     q = spec.row_quantum
-    per_unit = q // k_count  # a microbatch's packed rows per unit: its batch devices
-    units = bucket_units(-(-need // per_unit), (b // m_count) // q)
+    units = bucket_units(-(-need // q), (b // m_count) // q)
     if distributed.is_multiprocess():  # one program on every process: the largest count
         units = max(int(u) for u in distributed.allgather(np.int64(units)))
-    r = units * q * m_count
+    per_minibatch = units * q
+    r = per_minibatch * m_count
     first = distributed.process_index() * r if distributed.is_multiprocess() else 0
     arrays = {name: np.zeros((r, width), np.int32) for name in ("input_ids", "positions")}
     arrays["segment_ids"] = np.zeros((r, width), np.int32)
@@ -226,12 +220,10 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
     if experts is not None:
         arrays["expert_ids"] = np.full((r, width, *experts.shape[2:]), -1, experts.dtype)
     row_b, slot_b = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    for start, plan in enumerate(plans):
-        m, k = start % m_count, start // m_count
-        for n, i in enumerate(range(start, b, groups)):
+    for m, plan in enumerate(plans):
+        for n, i in enumerate(range(m, b, m_count)):
             j, offset, slot, segment = (int(x) for x in plan[:, n])
-            # this process's packed row: minibatch g mod M = m, microbatch (g // M) mod K = k
-            g = (j * k_count + k) * m_count + m
+            g = j * m_count + m  # this process's packed row; minibatch g mod M = m
             row_b[i], slot_b[i] = first + g, slot
             if segment == 0:
                 continue

@@ -54,13 +54,9 @@ def lengths_batch(prompts, completions, width, holes=()):
     )
 
 
-def spec(width=None, scored=8, minibatches=1, quantum=1, microbatches=1):
+def spec(width=None, scored=8, minibatches=1, quantum=1):
     return packing.PackSpec(
-        width=width,
-        scored_width=scored,
-        num_minibatches=minibatches,
-        row_quantum=quantum * microbatches,
-        num_microbatches=microbatches,
+        width=width, scored_width=scored, num_minibatches=minibatches, row_quantum=quantum
     )
 
 
@@ -111,16 +107,6 @@ def test_minibatches_pack_their_own_rows_and_counts_are_bucketed():
         lengths_batch(prompts, completions, 10), spec(minibatches=2, quantum=2)
     )
     assert out.layout.input_ids.shape[0] == 2 * 6  # 5 -> 3 quanta of 2 rows
-    # two microbatches each: minibatch 0's microbatch 0 (rows 0, 4, 8: 10, 3, 10 tokens) and
-    # microbatch 1 (rows 2, 6, 10: 3, 10, 10) need 3 packed rows each (minibatch 1's: 2);
-    # every row's packed row is in the row's minibatch and microbatch (the unpacked split)
-    out = packing.pack_batch(
-        lengths_batch(prompts, completions, 10), spec(minibatches=2, microbatches=2)
-    )
-    row = out.layout.row
-    np.testing.assert_array_equal(row % 2, np.arange(12) % 2)
-    np.testing.assert_array_equal((row // 2) % 2, (np.arange(12) // 2) % 2)
-    assert out.layout.input_ids.shape[0] == 2 * 2 * 3
     assert packing.row_buckets(128) == (
         *range(1, 9),
         10,
