@@ -3,17 +3,15 @@
 Owns `SamplingParams` (`from_rollout_config()`), `generate(model | (graphdef, state), prompts,
 params, key, first_row=0, group_size=1, row_ids=None) -> Generation` (numpy; G: groups of G
 identical prompts, each prefilled once; row_ids: keys of non-consecutive rows), the jitted core
-`generate_padded`, `pad_prompts` / `shared_prompts`, `kv_cache_bytes` and `compile_count()`.
-Token draws (`filter_logits`, greedy, Gumbel-max) live in jgrpo/draws.py.
+`generate_padded`, `pad_prompts` / `shared_prompts`, `kv_cache_bytes`, `compile_count()`.
+Draws (`filter_logits`, greedy, Gumbel-max): jgrpo/draws.py.
 
 Contract: prompts are left-padded to a multiple of `prompt_bucket`; token i of row b sits at
 cache column P + i and position prompt_len_b + i, the positions the trainer's forward gives it.
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
-neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
-on `compact_decode` (the one-batch loop, or the slot loop's tail, narrows to its running
-rows); `record_experts`: each fed token's experts. One executable per (B, U, P, S, DecodeSpec),
-shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
+neither on its batch, nor on `decode_slots` S < B (jgrpo/slots.py), nor on `compact_decode`;
+`record_experts`: each fed token's experts. One executable per (B, U, P, S, DecodeSpec)."""
 
 from __future__ import annotations
 

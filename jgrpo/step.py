@@ -39,6 +39,7 @@ from jgrpo.forwards import (  # noqa: F401 (sequence_logprobs: the step's forwar
     with_frozen,
 )
 from jgrpo.models import kernels
+from jgrpo.models import moe as moe_lib
 from jgrpo.optimizer import (
     OptimizerHparams,
     make_schedule,
@@ -377,7 +378,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         n_rec = jnp.sum(recorded_bt)
 
     router_losses = functools.partial(
-        losses.add_router_losses,
+        moe_lib.add_router_losses,
         aux_coef=hparams.router_aux_loss_coef,
         z_coef=hparams.router_z_loss_coef,
         num_microbatches=flags.num_microbatches,

@@ -543,10 +543,9 @@ def test_sampler_logprobs_are_the_trainer_forward(tmp_path, source, mode):
 
 
 def test_router_losses_join_the_policy_loss():
-    """losses.add_router_losses: dense forwards pass through; an MoE forward adds
+    """moe_lib.add_router_losses: dense forwards pass through; an MoE forward adds
     (aux_coef x balance + z_coef x z) / M to the loss and loss/total, the HF coefficient when
     no override, and the moe/ metrics (means divided by M, maxima kept)."""
-    from jgrpo import losses
     from jgrpo.models.moe_transformer import MoEOutput
 
     rng = np.random.RandomState(4)
@@ -559,12 +558,12 @@ def test_router_losses_join_the_policy_loss():
     spec = moe_lib.MoESpec(num_experts=4, top_k=2, expert_size=4, aux_loss_coef=0.5)
     aux, z = moe_lib.aux_losses(routed.stats, 4)
     metrics = {"loss/total": jnp.float32(1.0)}
-    same = losses.add_router_losses(
+    same = moe_lib.add_router_losses(
         1.0, metrics, None, None, aux_coef=None, z_coef=None, num_microbatches=2
     )
     assert same == (1.0, metrics)
     for aux_coef, want_coef in [(None, 0.5), (jnp.float32(0.0), 0.0), (jnp.float32(2.0), 2.0)]:
-        loss, out = losses.add_router_losses(
+        loss, out = moe_lib.add_router_losses(
             1.0, metrics, routed, spec, aux_coef=aux_coef, z_coef=0.1, num_microbatches=2
         )
         want = 1.0 + (want_coef * float(aux) + 0.1 * float(z)) / 2

@@ -40,8 +40,8 @@ their real weights; its LM head is untied (+28M parameters in every side's updat
     python tools/bench_peers.py [--shapes tiny,smollm2,smollm2-skewed] [--rounds 3]
         [--sides jgrpo,jgrpo-fast,trl,tunix]
 
-Memory: every side of a shape stays resident for its rounds; on SmolLM2 jgrpo takes about
-4 GB, TRL 8 GB and Tunix 12 GB (skewed), so on a 24 GB machine run fewer --sides at once.
+Memory: every side of a shape stays resident for its rounds; on SmolLM2 the peers hold
+several times jgrpo's memory (docs/performance.md), so on a small machine run fewer --sides.
 
 Needs the `peers` extra (TRL, Tunix's dependencies; `make bench-peers` installs it and
 google-tunix itself, see the Makefile). Prints a table; saves JSON under runs/bench-peers/.

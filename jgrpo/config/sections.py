@@ -276,8 +276,7 @@ class GRPOConfig:
     batch_multiplier: float = 1.0
     """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
     sequence_packing: bool = True
-    """Train step over the rows packed first-fit decreasing: the same loss (float rounding
-    aside), less padding; false = the padded [B, T] rows (docs/packing.md)."""
+    """Train on rows packed first-fit decreasing (same loss, less padding; docs/packing.md)."""
     packing_budget: Optional[int] = None
     """Tokens per packed row (None = the batch's row width: prompt width + max_new_tokens)."""
 
@@ -391,13 +390,11 @@ class RolloutConfig:
     prompt_bucket: int = 32
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
     shared_prefill: bool = True
-    """Prefill each prompt once for its G rows (prefill work / G; float32 logits may differ by a
-    few ulps from per-row prefill, docs/sampler.md); false = every row prefilled."""
+    """Prefill each prompt once for its G rows (float32: a few ulps off; docs/sampler.md)."""
     decode_slots: Optional[int] = None
     """Rows decoded at once per sampler call; a stopped row's slot takes the next (None = all)."""
     compact_decode: bool = True
-    """Narrow the decode batch to 1/2, 1/4, 1/8 as rows stop (same tokens): every row at once,
-    or with decode_slots the slots once no row waits; false = full width to the end."""
+    """Narrow the decode batch to 1/2, 1/4, 1/8 as rows stop (with decode_slots: the tail)."""
     max_turns: int = 1
     """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
     max_tool_response_tokens: Optional[int] = 256

@@ -25,7 +25,7 @@ _EXPORTS = {
     "read_hf_config": "hf",
     "save_pretrained": "hf",
     "KVCache": "transformer",
-    "RopeScaling": "transformer",
+    "RopeScaling": "rope",
     "Transformer": "transformer",
     "TransformerConfig": "transformer",
 }

@@ -5,11 +5,9 @@ The switch is `TransformerConfig.kernels`: "auto" (default) | "cpu" | "portable"
 "portable"). Every kernel below takes the resolved path; nothing else in jgrpo branches on the
 platform. The pieces: attention (forward, prefill, decode), the KV cache layout, RoPE cos/sin,
 argmax, Gumbel noise, uint16 views of 16-bit stacks. "cpu" is tuned for XLA:CPU (einsum
-attention over [b,k,t,g,s] scores, keys [b,k,h,s] / values [b,k,s,h], trace-time RoPE tables,
-max + min-index argmax, threefry written out, `from_bits`); "portable" is the idiomatic GPU/TPU
-code (jax.nn.dot_product_attention, a [b,s,k,h] cache, run-time RoPE, jnp.argmax, random.gumbel),
-whose attention is cuDNN's on CUDA where it takes the call (prefill: causal flash attention;
-decode: per-row key lengths, so only the live part of the cache is read) and XLA's elsewhere.
+attention over [b,k,t,g,s] scores, keys [b,k,h,s], trace-time RoPE, threefry written out);
+"portable" is the idiomatic GPU/TPU code (jax.nn.dot_product_attention: cuDNN's on CUDA where
+it takes the call, prefill causal flash, decode reading only the live cache; a [b,s,k,h] cache).
 
 Contract: both paths compute the same math and differ in float rounding only; the Gumbel noise
 is bit-identical and both argmaxes return the first index of the maximum, so a key draws the

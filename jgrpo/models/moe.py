@@ -285,3 +285,23 @@ def stack_stats(per_layer: list[RouterStats]) -> Optional[RouterStats]:
     if not per_layer:
         return None
     return RouterStats(*(jnp.concatenate(xs) for xs in zip(*per_layer)))
+
+
+def add_router_losses(loss, metrics, routed, spec, *, aux_coef, z_coef, num_microbatches: int):
+    """loss + the router terms of an MoE forward (`routed`: MoEOutput, `spec`: MoESpec; both
+    None for a dense model: unchanged): aux_coef (None = spec.aux_loss_coef, the HF config's)
+    x load-balancing loss + z_coef x router z-loss (`aux_losses`), and the moe/
+    metrics. Each microbatch adds 1/M of its own terms (the step sums microbatches), so a
+    minibatch's terms and metrics are means over its microbatches (maxima: the max)."""
+    if routed is None:
+        return loss, metrics
+    aux, z = aux_losses(routed.stats, spec.num_experts)
+    aux_coef = jnp.asarray(spec.aux_loss_coef if aux_coef is None else aux_coef, jnp.float32)
+    router = (aux_coef * aux + (0.0 if z_coef is None else z_coef) * z) / num_microbatches
+    stats = moe_metrics(routed.stats, spec.num_experts)
+    metrics = metrics | {
+        k: v if k.endswith("_max") else v / num_microbatches for k, v in stats.items()
+    }
+    metrics["moe/router_loss"] = router
+    metrics["loss/total"] = metrics["loss/total"] + router
+    return loss + router, metrics

@@ -26,6 +26,7 @@ from jgrpo.models import lora as lora_lib
 from jgrpo.models import moe as moe_lib
 from jgrpo.models.blockwise import RowMask
 from jgrpo.models.kernels import resolve_kernels
+from jgrpo.models.rope import apply_rope, rope_tables
 from jgrpo.models.transformer import (
     REMAT_POLICIES,
     KVCache,
@@ -34,11 +35,9 @@ from jgrpo.models.transformer import (
     _dense,
     _param,
     _project,
-    apply_rope,
     attention,
     cast_floats,
     rms_norm,
-    rope_tables,
 )
 
 
