@@ -395,6 +395,11 @@ def check_command(command: str, kind: str, folder: Path) -> str | None:
             return f"{words[1]} does not exist"
         source = script.read_text()
         missing = [f for f in flags if f"'{f}'" not in source and f'"{f}"' not in source]
+        if missing:  # flags built in a loop (warm_start.py's settings): ask the script itself
+            usage = subprocess.run(
+                [sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=folder
+            ).stdout
+            missing = [f for f in missing if not re.search(rf"{re.escape(f)}\b", usage)]
         return f"{words[1]} takes no {missing}" if missing else None
     options = cli_options()
     if len(words) < 2 or words[1] not in options:
