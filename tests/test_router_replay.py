@@ -60,8 +60,7 @@ def run_step(model, batch, overrides=(), replace_ids=None):
             "grpo.num_generations_per_prompt=2",
             "rollout.prompt_bucket=8",
             "rollout.max_new_tokens=8",
-            "loss.reference_policy_kl_penalty=0.1",
-            "grpo.seq_logprob_error_threshold=2.0",
+            "grpo.seq_logprob_error_threshold=2.0",  # the prev forward runs (and replays)
             *overrides,
         ],
     )
@@ -129,11 +128,14 @@ def test_replayed_other_experts_route_and_train_the_router(tiny_moe):
 
 
 @pytest.mark.heavy  # three sampler programs
-@pytest.mark.parametrize("mode", [dict(decode_slots=3), dict(compact_decode=True), {}])
+@pytest.mark.parametrize(
+    "mode",
+    [dict(decode_slots=3), dict(compact_decode=True), dict(decode_slots=3, compact_decode=True)],
+)
 def test_recorded_experts_are_the_trainer_routing_in_every_decode_loop(tiny_moe, mode):
-    """float32, every row at once, decode slots and the compacting loop: the recorded experts
-    of every fed token (prompt and completion) are the trainer forward's own choice, -1 on
-    prompt padding, each row's last token and after its end."""
+    """float32, decode slots, the compacting loop and both (every row at once: the float32
+    test above): the recorded experts of every fed token (prompt and completion) are the
+    trainer forward's own choice, -1 on prompt padding, each row's last token and after it."""
     gen, batch = rollout(tiny_moe, group=1, **mode)
     ids, mask = batch["input_ids"], batch["attention_mask"] > 0
     _, routed = tiny_moe.token_logprobs_routed(jnp.asarray(ids), jnp.asarray(mask))

@@ -43,8 +43,8 @@ from jgrpo.config import load_config
 from jgrpo.models import kernels, load_policy
 from jgrpo.models.tiny import (
     build_tiny_moe_model,
+    tiny_moe_weights,
     tiny_qwen3_moe_config,
-    tiny_qwen3_moe_weights,
     write_tiny_folder,
 )
 from jgrpo.rollout.engine import assemble_batch
@@ -70,7 +70,7 @@ def build_wide_moe_model(out: Path, seed: int = 0) -> Path:
         num_experts=64,
         num_experts_per_tok=8,
     )
-    return write_tiny_folder(out, config, tiny_qwen3_moe_weights(config, seed), False, False)
+    return write_tiny_folder(out, config, tiny_moe_weights(config, seed), False, False)
 
 
 def config_for(folder, rows: int, tokens: int, dtype: str, mode: str):
