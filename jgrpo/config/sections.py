@@ -522,16 +522,15 @@ class SFTConfig:
     """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
     the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
     checkpoint and logging apply as they do to `jgrpo train`; data.* names the task whose tools
-    and prompt rendering the records take, and whose held-out set gives greedy accuracy."""
+    and prompt rendering the records take, and whose held-out set gives greedy accuracy.
+    A record is a chat `messages` list, or a `prompt` and a `completion` (strings or message
+    lists); with train_path unset the records are the data task's reference answers (arithmetic,
+    countdown, gsm8k, calculator) in its training order, validated on its held-out set's."""
 
     train_path: Optional[str] = None
-    """Training records: a file (.jsonl/.json/.parquet/.csv), a save_to_disk folder or a hub
-    dataset id (split train). A record is a chat `messages` list, or a `prompt` and a
-    `completion` (strings, or message lists). None = the data task's reference answers
-    (built-in tasks with one: arithmetic, countdown, gsm8k, calculator), in its training order."""
+    """Training records: file, save_to_disk folder or hub dataset id (None: the task's own)."""
     val_path: Optional[str] = None
-    """Validation records (same forms; split test or validation) for the validation loss. None
-    = none, or with train_path None the references of the data task's held-out examples."""
+    """Validation records for val/loss, same forms (None: none, or the task's held-out set's)."""
     dataset_config: Optional[str] = None
     """The hub dataset's configuration name (both paths), if it has several."""
     messages_key: str = "messages"
@@ -561,9 +560,7 @@ class SFTConfig:
     val_at_end: bool = True
     """Validate after the last step."""
     val_accuracy: Optional[bool] = None
-    """Validation also measures greedy accuracy on data's held-out set (tasks with a verifier),
-    sampled as `jgrpo eval` samples it (rollout.*). None = when the records are the data task's
-    own (sft.train_path unset, no train_dataset)."""
+    """Also greedy accuracy on data's held-out set (None: when the records are the task's own)."""
 
 
 @dataclasses.dataclass(**_FROZEN)
