@@ -519,13 +519,8 @@ class LoggingConfig:
 
 @dataclasses.dataclass(**_FROZEN)
 class SFTConfig:
-    """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
-    the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
-    checkpoint and logging apply as they do to `jgrpo train`; data.* names the task whose tools
-    and prompt rendering the records take, and whose held-out set gives greedy accuracy.
-    A record is a chat `messages` list, or a `prompt` and a `completion` (strings or message
-    lists); with train_path unset the records are the data task's reference answers (arithmetic,
-    countdown, gsm8k, calculator) in its training order, validated on its held-out set's."""
+    """Supervised fine-tuning (`jgrpo sft`, docs/sft.md) through the GRPO train step; model,
+    optim, mesh, checkpoint, logging and data.* (tools, prompts, held-out set) apply."""
 
     train_path: Optional[str] = None
     """Training records: file, save_to_disk folder or hub dataset id (None: the task's own)."""
