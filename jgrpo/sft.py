@@ -1,7 +1,7 @@
 """run(config): supervised fine-tuning, top to bottom (`jgrpo sft`, `jgrpo.SFTTrainer`).
 
 The SFT step IS the GRPO train step (`step_setup.build_step`) with `StepFlags.objective =
-"sft"`: one jitted function whose loss is `losses.sft_loss` (the token-mean NLL of the target
+"sft"`: one jitted function whose loss is `sft_loss.sft_loss` (the token-mean NLL of the target
 tokens over the step's batch; no frozen forward, no advantages). The rest is the GRPO run's
 machinery: mesh, LoRA, bf16, microbatches, packing, optimizer, checkpoints, `--resume`,
 RUN_DIR/final/ (`train.save_policy`), hence `jgrpo export` / `jgrpo eval`. `step_config(cfg)`

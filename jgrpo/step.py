@@ -46,6 +46,7 @@ from jgrpo.optimizer import (
     set_hyperparams,
     total_updates,
 )
+from jgrpo.sft_loss import sft_loss
 
 FORWARDS = ("ref", "prev", "policy")
 """The step's named forwards: each runs under `jax.named_scope(f"forward_{name}")`."""
@@ -80,7 +81,7 @@ class StepFlags:
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
     objective: Literal["grpo", "sft"] = "grpo"
-    """The loss: grpo (`losses.policy_loss` on the advantages) or sft (`losses.sft_loss`, the
+    """The loss: grpo (`losses.policy_loss` on the advantages) or sft (`sft_loss.sft_loss`, the
     mean NLL of the token_mask tokens; no advantages, no frozen forwards: `jgrpo.sft`)."""
     record_routing: bool = False
     """The batch carries the sampler's expert ids (`TrainBatch.expert_ids`, an MoE model under
@@ -370,7 +371,7 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
 
     def objective(lp_bt, inputs):
         if flags.objective == "sft":
-            return losses.sft_loss(lp_bt, inputs["token_mask"], inputs["sample_mask"], n_tok)
+            return sft_loss(lp_bt, inputs["token_mask"], inputs["sample_mask"], n_tok)
         return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
 
     if flags.record_routing:  # moe/routing_mismatch over the minibatch's recorded tokens
