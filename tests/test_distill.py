@@ -108,7 +108,14 @@ def loss_tokens(host):
     return host.token_mask * ((host.sample_mask > 0) & (host.group_ids >= 0))[:, None]
 
 
-@pytest.mark.parametrize("pure", [False, True], ids=["with_rewards", "pure_distillation"])
+@pytest.mark.parametrize(
+    "pure",
+    [
+        # make test: pure_distillation (the same path; the reward part is test_losses')
+        pytest.param(False, id="with_rewards", marks=pytest.mark.heavy),
+        pytest.param(True, id="pure_distillation"),
+    ],
+)
 def test_teacher_term_joins_the_advantage_as_float64_numpy_says(pure):
     """A = group-normalised reward advantage + coef x (lt - lo) on the loss tokens; the step's
     gradient is the policy gradient of exactly those advantages, and nonzero (pure
@@ -140,6 +147,7 @@ def test_teacher_term_joins_the_advantage_as_float64_numpy_says(pure):
     )
 
 
+@pytest.mark.heavy  # make test: the teacher forward's packing is frozen_logprobs' (test_packing)
 def test_packed_distillation_equals_unpacked_for_a_lora_student_on_a_mesh():
     """The teacher forward over packed rows, read back to rows, on a 2 x 2 x 2 mesh (the teacher
     sharded by its logical axes like the reference), two microbatches, a LoRA student: every
@@ -230,3 +238,29 @@ def test_a_teacher_with_another_tokenizer_exits_2_before_loading(tmp_path, capsy
         )
     with pytest.raises(ConfigError, match="distillation.coef: must be a finite number > 0"):
         load_config(TINY, ["distillation.teacher=smollm2", "distillation.coef=0"])
+
+
+@pytest.mark.heavy  # make test: the step tests above (the rollout side is unchanged)
+def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path, ray_cluster):
+    """Three steps of configs/tiny.yaml taught by builtin:tiny-qwen3-moe (an MoE teacher with
+    the same tokenizer): the Ray backend's run logs the local run's metrics, the teacher's
+    reverse KL included (nonzero: the teacher is another model)."""
+    from jgrpo import train
+    from jgrpo.metrics import read_metrics
+
+    overrides = [
+        "logging.tensorboard=false",
+        "grpo.max_num_steps=3",
+        "distillation.teacher=builtin:tiny-qwen3-moe",
+    ]
+    rows = {}
+    for backend in ("local", "ray"):
+        cfg = load_config(TINY, [*overrides, f"rollout.backend={backend}"])
+        train.run(cfg, tmp_path / backend)
+        rows[backend] = read_metrics(tmp_path / backend)
+    assert [r["step"] for r in rows["ray"]] == [0, 1, 2, 3]
+    for got, want in zip(rows["ray"], rows["local"]):
+        for key, value in want.items():
+            if not (key.startswith("perf/") or key.endswith("_s")):
+                assert got[key] == value, (want["step"], key, got[key], value)
+    assert all(abs(r["distill/reverse_kl"]) > 0.1 for r in rows["local"][1:])
