@@ -1,35 +1,28 @@
-"""On-policy distillation: a frozen teacher grades every token the policy sampled.
+"""On-policy distillation (docs/distillation.md): a frozen teacher grades every sampled token.
 
-Owns `distillation.*` (docs/distillation.md). The teacher forward itself runs inside the one
-jitted train step (`jgrpo.step.prepare_batch`, under `jax.named_scope("forward_teacher")`, only
-when `StepFlags.distill`); this module holds what the step computes from it and how the teacher
-is found and loaded:
+Inside the train step (under StepFlags.distill, `jax.named_scope("forward_teacher")`), with lt
+the teacher's and lo the policy's logprob of each sampled token (lo: the prev forward, before
+the update), m the loss tokens and lambda = distillation.coef (traced):
 
-    d_bt = lambda * (lt_bt - sg(lo_bt)) * m_bt              A_bt <- A_bt + d_bt
-    distill/reverse_kl = sum_bt m_bt (lo_bt - lt_bt) / sum_bt m_bt
+    A_bt <- A_bt + lambda * (lt_bt - sg(lo_bt)) * m_bt
+    distill/reverse_kl = sum m (lo - lt) / sum m
 
-lt: the teacher's logprob of the sampled token; lo: the policy's, before this step's update
-(the prev forward, the same program and numerics as the teacher's, so a teacher equal to the
-policy gives exactly 0); m = token_mask x the loss rows (multi-turn: the model's own tokens
-only); lambda = distillation.coef, traced. d is a reward, not a loss: lo carries no gradient
-(stop_gradient; the gradient flows through the policy-gradient surrogate's lp alone), as in
-Thinking Machines' on-policy distillation, where the per-token reverse KL log pi - log p_teacher
-of each sampled token is the (negative) advantage. It is added after the group-normalised
-reward advantage (and its clip), so with no reward (data.task_reward_weight 0, no
-reward_functions) every group is all-equal and the advantage is d alone: pure distillation.
-
-`check_teacher(cfg)` resolves distillation.teacher and compares its tokenizer with the policy's
-before any weights load (ConfigError: the CLI's exit 2); `load_teacher(cfg)` builds it in
-distillation.dtype (storage and compute: no master weights, it never trains).
+The term is a reward, so lo carries no gradient (Thinking Machines' on-policy distillation: the
+per-token reverse KL is the negative advantage); it is added after the group-normalised reward
+advantage, so with no reward it is the whole advantage. `check_teacher` compares the teacher's
+tokenizer with the policy's before any weights load (ConfigError: exit 2); `load_teacher`
+builds it in distillation.dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jgrpo.config import Config, ConfigError, LoRAConfig, ModelConfig
 from jgrpo.models.sources import check_model_path, resolve_model_path
@@ -38,6 +31,31 @@ Array = jax.Array
 
 
 # ----------------------------------------------------------------------------- the term
+
+
+@struct.dataclass
+class Teacher:
+    """The train step's `teacher` argument: what its forward and term need."""
+
+    params: Any
+    """The teacher's parameters, placed on the mesh (`step_setup.place_frozen_model`)."""
+    coef: jax.Array
+    """distillation.coef as a float32 scalar (traced: a new value never recompiles)."""
+    graphdef: Any = struct.field(pytree_node=False)
+    """The teacher's graph, constrained like the policy's (static: part of the program)."""
+
+
+def add_teacher_term(forward, teacher: Teacher, prev_bt, batch, sample_mask_b, advantages_bt):
+    """(advantages + the teacher's term, distill/reverse_kl) inside the train step. `forward`:
+    the step's frozen forward over `batch` (`step.frozen_logprobs`, bound to it); `prev_bt`
+    the prev forward's logprobs (lo); the loss tokens m: token_mask on the rows with a group
+    (id >= 0) and sample_mask_b > 0 (after logprob-error masking)."""
+    if prev_bt is None:
+        raise ValueError("distillation needs the prev forward's logprobs (StepFlags)")
+    teacher_bt = forward("teacher", graphdef=teacher.graphdef, params=teacher.params)
+    m_bt = batch.token_mask * ((batch.group_ids >= 0) & (sample_mask_b > 0))[:, None]
+    term_bt = teacher_advantages(teacher_bt, prev_bt, m_bt, teacher.coef)
+    return advantages_bt + term_bt, reverse_kl(teacher_bt, prev_bt, m_bt)
 
 
 def teacher_advantages(teacher_bt: Array, policy_bt: Array, mask_bt: Array, coef) -> Array:
@@ -56,6 +74,20 @@ def reverse_kl(teacher_bt: Array, policy_bt: Array, mask_bt: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------- the teacher
+
+
+def is_pure(cfg: Config) -> bool:
+    """Pure distillation: a teacher and no reward term (data.task_reward_weight 0, no
+    reward_functions, no environment). No term scores any row, so the None rule of
+    jgrpo.tasks would give every row sample_mask 0; the rollout keeps them all instead: the
+    teacher grades every row."""
+    d = cfg.data
+    return (
+        cfg.distillation.teacher is not None
+        and d.task_reward_weight == 0
+        and not d.reward_functions
+        and d.environment is None
+    )
 
 
 def teacher_model_config(cfg: Config) -> ModelConfig:

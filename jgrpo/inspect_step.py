@@ -390,7 +390,7 @@ def teacher_forward_flops(built, batch) -> float:
     def forward(params, rows, layout):
         return step.frozen_logprobs(
             "teacher",
-            built.teacher_graphdef,
+            built.teacher.graphdef,
             params,
             rows,
             built.hparams.temperature,
@@ -399,7 +399,7 @@ def teacher_forward_flops(built, batch) -> float:
             layout=layout,
         )
 
-    text = jax.jit(forward).lower(built.teacher_params, rows, layout).compile().as_text()
+    text = jax.jit(forward).lower(built.teacher.params, rows, layout).compile().as_text()
     return hlo_dot_flops(text)[0] * built.mesh.size
 
 
@@ -433,7 +433,7 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
         "trainable_param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "ref_param_bytes_per_device": bytes_per_device(built.ref_params),
-        "teacher_param_bytes_per_device": bytes_per_device(built.teacher_params),
+        "teacher_param_bytes_per_device": bytes_per_device(built.teacher and built.teacher.params),
         "kv_cache_bytes": kv,
         "kv_cache_bytes_per_device": kv // batch_devices,
         "flops_analytic": analytic_flops(cfg, model_cfg)["step"],

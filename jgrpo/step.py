@@ -1,17 +1,15 @@
 """The one jitted GRPO train step, specialised on static flags (`jgrpo.step_setup` builds it).
 
-- `make_train_step(flags, graphdef, tx, state_shardings, teacher_graphdef=None)` ->
-  `step_fn(state, batch, hparams, ref_params, frozen=None, teacher=None) -> (state, metrics)`,
-  a `TopLevelStep` (compiled with the sampler's XLA options) that donates `state` and pins the
-  output state's shardings.
+- `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
+  ref_params, frozen=None, teacher=None) -> (state, metrics)`, a `TopLevelStep` (compiled with
+  the sampler's XLA options) that donates `state` and pins the output state's shardings.
 - `StepFlags` (static) decides the program; float hyperparameters travel traced in
   `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
   all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
-- In one call (docs/losses.md): the reference, prev and teacher forwards (only when their flags
-  say so, each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages
-  (plus the teacher's per-token term under distillation: jgrpo.distillation), then a
+- In one call (docs/losses.md): the reference, prev and teacher forwards (when their flags say
+  so, each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
   microbatches, normalised by the minibatch's global counts; a non-finite loss or gradient
   skips the update. Rows (packed rows) go to chunks by interleaving (i to chunk i mod K).
@@ -71,8 +69,7 @@ class StepFlags:
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
     distill: bool = False
-    """distillation.teacher is set: the teacher forward runs and its term joins the advantage
-    (`teacher_graphdef` and the `teacher` argument hold the teacher)."""
+    """The teacher forward and its term of the advantage (`teacher`: jgrpo.distillation)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepFlags:
@@ -139,8 +136,6 @@ class StepHparams:
     """model.moe.router_aux_loss_coef (None: the MoE model's HF config value)."""
     router_z_loss_coef: Optional[jax.Array] = None
     """model.moe.router_z_loss_coef (MoE models only)."""
-    distillation_coef: Optional[jax.Array] = None
-    """distillation.coef (read only under StepFlags.distill)."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> StepHparams:
@@ -154,7 +149,6 @@ class StepHparams:
             seq_logprob_error_threshold=f32(cfg.grpo.seq_logprob_error_threshold or 0.0),
             router_aux_loss_coef=None if aux is None else f32(aux),
             router_z_loss_coef=f32(cfg.model.moe.router_z_loss_coef),
-            distillation_coef=f32(cfg.distillation.coef),
         )
 
     def loss_config(self, flags: StepFlags) -> LossConfig:
@@ -350,18 +344,9 @@ def batch_statistics(batch: TrainBatch, advantages_bt, kept_b) -> dict:
 
 
 def prepare_batch(
-    state,
-    batch: TrainBatch,
-    hparams: StepHparams,
-    ref_params,
-    teacher=None,
-    *,
-    flags,
-    graphdef,
-    teacher_graphdef=None,
+    state, batch: TrainBatch, hparams: StepHparams, ref_params, teacher=None, *, flags, graphdef
 ) -> tuple[ScoredBatch, dict]:
-    """Steps 1-3: the frozen forwards, logprob-error masking and advantages (with the teacher's
-    term under flags.distill: `teacher` params, `teacher_graphdef`). `batch` is a
+    """Steps 1-3: the frozen forwards, logprob-error masking and advantages. `batch` is a
     TrainBatch, or a `packing.PackedBatch` under flags.sequence_packing: its forwards run over
     the packed rows and everything after them over its rows, as unpacked."""
     if isinstance(batch, packing.PackedBatch) != flags.sequence_packing:
@@ -418,14 +403,10 @@ def prepare_batch(
         kl_bt=kl_bt,
         sample_mask_b=sample_mask_b,
     )
-    if flags.distill:
-        teacher_bt = forward("teacher", graphdef=teacher_graphdef, params=teacher)
-        loss_b = (batch.group_ids >= 0) & (sample_mask_b > 0)
-        m_bt = batch.token_mask * loss_b[:, None]
-        advantages_bt = advantages_bt + distillation.teacher_advantages(
-            teacher_bt, prev_bt, m_bt, hparams.distillation_coef
+    if flags.distill:  # `teacher`: a distillation.Teacher
+        advantages_bt, metrics["distill/reverse_kl"] = distillation.add_teacher_term(
+            forward, teacher, prev_bt, batch, sample_mask_b, advantages_bt
         )
-        metrics["distill/reverse_kl"] = distillation.reverse_kl(teacher_bt, prev_bt, m_bt)
     metrics.update(batch_statistics(batch, advantages_bt, sample_mask_b))
     data = ScoredBatch(
         input_ids=batch.input_ids,
@@ -555,32 +536,14 @@ def optimizer_update(
 
 
 def train_step(
-    state,
-    batch,
-    hparams,
-    ref_params,
-    frozen=None,
-    teacher=None,
-    *,
-    flags,
-    graphdef,
-    tx,
-    grad_shardings=None,
-    teacher_graphdef=None,
+    state, batch, hparams, ref_params, frozen, teacher, *, flags, graphdef, tx, grad_shardings=None
 ):
-    """One GRPO step on a rollout batch -> (new state, metrics). `ref_params` has the trainable
-    tree's structure (None when no separate reference forward runs); `teacher` the teacher's
-    params (None unless flags.distill)."""
+    """One GRPO step -> (new state, metrics). `ref_params`: the trainable tree's structure (None:
+    no separate reference forward); `teacher`: a `distillation.Teacher` (None: no distillation)."""
     full_state = state._replace(params=with_frozen(state.params, frozen))
+    ref = with_frozen(ref_params, frozen)
     data, metrics = prepare_batch(
-        full_state,
-        batch,
-        hparams,
-        with_frozen(ref_params, frozen),
-        teacher,
-        flags=flags,
-        graphdef=graphdef,
-        teacher_graphdef=teacher_graphdef,
+        full_state, batch, hparams, ref, teacher, flags=flags, graphdef=graphdef
     )
 
     def update(s, mb):
@@ -599,31 +562,17 @@ def train_step(
     return state, metrics | reduce_minibatch_metrics(metrics_m)
 
 
-def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None, teacher_graphdef=None):
+def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
     """jit(train_step) for these flags (a `TopLevelStep`: compiled with the sampler's XLA
-    options); donates the state; pins the output state shardings. `teacher_graphdef`: the
-    teacher's graph under flags.distill (its params are the step's `teacher` argument)."""
+    options); donates the state; pins the output state shardings."""
 
     grad_shardings = None if state_shardings is None else state_shardings.params
-    if flags.distill != (teacher_graphdef is not None):
-        raise ValueError("make_train_step: flags.distill and teacher_graphdef disagree")
-    if flags.distill and not flags.compute_prev_logprobs:
-        raise ValueError("make_train_step: flags.distill needs compute_prev_logprobs (lo)")
+    step = functools.partial(
+        train_step, flags=flags, graphdef=graphdef, tx=tx, grad_shardings=grad_shardings
+    )
 
     def fn(state, batch, hparams, ref_params, frozen=None, teacher=None):
-        return train_step(
-            state,
-            batch,
-            hparams,
-            ref_params,
-            frozen,
-            teacher,
-            flags=flags,
-            graphdef=graphdef,
-            tx=tx,
-            grad_shardings=grad_shardings,
-            teacher_graphdef=teacher_graphdef,
-        )
+        return step(state, batch, hparams, ref_params, frozen, teacher)
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
     return TopLevelStep(fn, donate_argnums=0, out_shardings=out_shardings)

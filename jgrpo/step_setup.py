@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jgrpo import packing, sharding
+from jgrpo import distillation, packing, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 from jgrpo.models.moe_transformer import MoETransformer
@@ -131,10 +131,8 @@ class StepSetup:
     step_fn: Callable
     pack_spec: Optional[packing.PackSpec] = None
     """How batches are packed (grpo.sequence_packing), else None."""
-    teacher_params: Any = None
-    """The distillation teacher's params on the mesh (None when distillation is off)."""
-    teacher_graphdef: Any = None
-    """The teacher's graph, constrained like the policy's (None when distillation is off)."""
+    teacher: Optional[distillation.Teacher] = None
+    """The step's `teacher` argument: params on the mesh, coef, graph (None: no distillation)."""
 
     def abstract_batch(
         self,
@@ -178,7 +176,7 @@ class StepSetup:
             self.hparams,
             abstract(self.ref_params),
             abstract(self.frozen),
-            abstract(self.teacher_params),
+            abstract(self.teacher),
         )
 
 
@@ -243,9 +241,10 @@ def build_step(
     flags = StepFlags.from_config(cfg)
     if flags.distill != (teacher is not None):
         raise ValueError("build_step: distillation.teacher and the teacher model disagree")
-    teacher_graphdef = teacher_params = None
     if teacher is not None:
-        teacher_graphdef, teacher_params = place_frozen_model(teacher, mesh, rules)
+        t_graphdef, t_params = place_frozen_model(teacher, mesh, rules)
+        coef = jax.device_put(jnp.float32(cfg.distillation.coef), sharding.replicated(mesh))
+        teacher = distillation.Teacher(params=t_params, coef=coef, graphdef=t_graphdef)
     dtype, ref = model.cfg.jnp_dtype, None
     if abstract:
         opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)
@@ -273,10 +272,9 @@ def build_step(
         ref_params=ref,
         frozen=frozen,
         hparams=StepHparams.from_config(cfg),
-        step_fn=make_train_step(flags, graphdef, tx, shardings, teacher_graphdef),
+        step_fn=make_train_step(flags, graphdef, tx, shardings),
         pack_spec=packing.PackSpec.from_config(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
         if cfg.grpo.sequence_packing
         else None,
-        teacher_params=teacher_params,
-        teacher_graphdef=teacher_graphdef,
+        teacher=teacher,
     )

@@ -131,7 +131,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         log.info("loading the distillation teacher %s", cfg.distillation.teacher)
         teacher = distillation.load_teacher(cfg)
     built = step_setup.build_step(cfg, model, teacher=teacher)
-    del teacher  # its arrays live on in built.teacher_params, placed on the mesh
+    del teacher  # its arrays live on in built.teacher, placed on the mesh
     log.info(
         "placed it on %d %s device(s) (mesh %s)",
         built.mesh.size,
@@ -414,9 +414,7 @@ def train_one_step(
     gen_s = time.perf_counter() - start
     u = t.setup
     batch = u.device_batch(result.step_batch())
-    t.state, step_metrics = u.step_fn(
-        t.state, batch, u.hparams, u.ref_params, u.frozen, u.teacher_params
-    )
+    t.state, step_metrics = u.step_fn(t.state, batch, u.hparams, u.ref_params, u.frozen, u.teacher)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s
     sync = t.backend.publish(t.state.params, s + 1)

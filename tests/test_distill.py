@@ -64,21 +64,14 @@ def step_math(built, host):
     def run(state, batch, frozen, teacher):
         full = state._replace(params=step.with_frozen(state.params, frozen))
         data, metrics = step.prepare_batch(
-            full,
-            batch,
-            hp,
-            None,
-            teacher,
-            flags=flags,
-            graphdef=graphdef,
-            teacher_graphdef=built.teacher_graphdef,
+            full, batch, hp, None, teacher, flags=flags, graphdef=graphdef
         )
         grads, loss_metrics = step.accumulate_gradients(
             state.params, data, hp, flags=flags, graphdef=graphdef, frozen=frozen
         )
         return data, metrics, grads, loss_metrics
 
-    return run(built.state, built.device_batch(host), built.frozen, built.teacher_params)
+    return run(built.state, built.device_batch(host), built.frozen, built.teacher)
 
 
 def logprobs64(model, host, temperature):
@@ -169,9 +162,9 @@ def teacher_forward_cost():
     built, *_ = build()
     batch = built.device_batch(TrainBatch(**host_batch()))
     fn = lambda p, b: step.frozen_logprobs(  # noqa: E731
-        "x", built.teacher_graphdef, p, b, built.hparams.temperature, 1, first_scored=5
+        "x", built.teacher.graphdef, p, b, built.hparams.temperature, 1, first_scored=5
     )
-    exe = jax.jit(fn).lower(built.teacher_params, batch).compile()
+    exe = jax.jit(fn).lower(built.teacher.params, batch).compile()
     return exe.cost_analysis()["flops"], exe.as_text().count(" dot(")
 
 
@@ -187,7 +180,7 @@ def compiled_step(overrides, distill):
             cfg, model, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1])
         )
     args = (built.state, built.device_batch(TrainBatch(**host_batch())), built.hparams, None)
-    args += (built.frozen, built.teacher_params)
+    args += (built.frozen, built.teacher)
     exe = built.step_fn.lower(*args).compile()
     text = exe.as_text()
     traced = inspect_step.forwards_in_jaxpr(jax.make_jaxpr(built.step_fn)(*args))
@@ -215,7 +208,7 @@ def test_a_teacher_equal_to_the_policy_gives_zero():
     host = TrainBatch(**host_batch())
     host = dataclasses.replace(host, rewards=np.ones_like(host.rewards))
     state, metrics = built.step_fn(
-        built.state, built.device_batch(host), built.hparams, None, None, built.teacher_params
+        built.state, built.device_batch(host), built.hparams, None, None, built.teacher
     )
     assert float(metrics["distill/reverse_kl"]) == 0.0
     for key in ("advantage/min", "advantage/max", "loss/total", "train/grad_norm"):
@@ -242,9 +235,10 @@ def test_a_teacher_with_another_tokenizer_exits_2_before_loading(tmp_path, capsy
 
 @pytest.mark.heavy  # make test: the step tests above (the rollout side is unchanged)
 def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path, ray_cluster):
-    """Three steps of configs/tiny.yaml taught by builtin:tiny-qwen3-moe (an MoE teacher with
-    the same tokenizer): the Ray backend's run logs the local run's metrics, the teacher's
-    reverse KL included (nonzero: the teacher is another model)."""
+    """Three steps of configs/tiny.yaml purely distilled (no reward) from builtin:tiny-qwen3-moe
+    (an MoE teacher with the same tokenizer): the Ray backend's run logs the local run's
+    metrics, the teacher's reverse KL included (nonzero: the teacher is another model); every
+    completion token carries loss although no reward term scores a row."""
     from jgrpo import train
     from jgrpo.metrics import read_metrics
 
@@ -252,6 +246,7 @@ def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path,
         "logging.tensorboard=false",
         "grpo.max_num_steps=3",
         "distillation.teacher=builtin:tiny-qwen3-moe",
+        "data.task_reward_weight=0.0",
     ]
     rows = {}
     for backend in ("local", "ray"):
@@ -263,4 +258,6 @@ def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path,
         for key, value in want.items():
             if not (key.startswith("perf/") or key.endswith("_s")):
                 assert got[key] == value, (want["step"], key, got[key], value)
-    assert all(abs(r["distill/reverse_kl"]) > 0.1 for r in rows["local"][1:])
+    for r in rows["local"][1:]:
+        assert abs(r["distill/reverse_kl"]) > 0.1 and r["reward/mean"] == 0.0
+        assert r["batch/num_valid_tokens"] == pytest.approx(16 * r["length/mean"])  # every row

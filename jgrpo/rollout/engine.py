@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jgrpo import distributed, sampling
+from jgrpo import distillation, distributed, sampling
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 from jgrpo.rollout import dapo, turns
@@ -334,6 +334,8 @@ class RolloutEngine:
                 batch["environment_errors"] = batch["environment_errors"] + env_errors
                 batch["environment_timeouts"] = batch["environment_timeouts"] + env_timeouts
         batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
+        if distillation.is_pure(self.cfg):  # no reward term: the teacher grades every row
+            batch["sample_mask"] = np.ones_like(batch["sample_mask"])
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
         names = tuple(task.reward_names)
