@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jgrpo.config import Config, ConfigError, LoRAConfig, ModelConfig
@@ -88,6 +89,13 @@ def is_pure(cfg: Config) -> bool:
         and not d.reward_functions
         and d.environment is None
     )
+
+
+def loss_rows(cfg: Config, scored_b) -> np.ndarray:
+    """[B] float32 sample_mask of a rollout from the task's `scored_b` (rows some reward term
+    scored: the None rule): every row under pure distillation (`is_pure`)."""
+    scored_b = np.asarray(scored_b, np.float32)
+    return np.ones_like(scored_b) if is_pure(cfg) else scored_b
 
 
 def teacher_model_config(cfg: Config) -> ModelConfig:

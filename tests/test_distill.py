@@ -261,3 +261,16 @@ def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path,
     for r in rows["local"][1:]:
         assert abs(r["distill/reverse_kl"]) > 0.1 and r["reward/mean"] == 0.0
         assert r["batch/num_valid_tokens"] == pytest.approx(16 * r["length/mean"])  # every row
+
+
+def test_pure_distillation_keeps_every_row_in_the_loss():
+    """No reward term scores any row (the None rule would mask them all): under pure
+    distillation the rollout keeps every row; with a reward, or without a teacher, the task's
+    mask stands."""
+    scored = np.array([False, True, False])
+    pure = load_config(TINY, ["distillation.teacher=smollm2", "data.task_reward_weight=0"])
+    np.testing.assert_array_equal(distillation.loss_rows(pure, scored), [1.0, 1.0, 1.0])
+    for overrides in (["distillation.teacher=smollm2"], ["data.task_reward_weight=0"]):
+        cfg = load_config(TINY, overrides)
+        assert not distillation.is_pure(cfg)
+        np.testing.assert_array_equal(distillation.loss_rows(cfg, scored), [0.0, 1.0, 0.0])

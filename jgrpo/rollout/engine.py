@@ -333,9 +333,7 @@ class RolloutEngine:
             if env:
                 batch["environment_errors"] = batch["environment_errors"] + env_errors
                 batch["environment_timeouts"] = batch["environment_timeouts"] + env_timeouts
-        batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
-        if distillation.is_pure(self.cfg):  # no reward term: the teacher grades every row
-            batch["sample_mask"] = np.ones_like(batch["sample_mask"])
+        batch["sample_mask"] = distillation.loss_rows(self.cfg, info["sample_mask"])
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
         names = tuple(task.reward_names)
