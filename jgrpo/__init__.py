@@ -6,9 +6,12 @@ The public API (imported lazily, so `import jgrpo` stays cheap and imports no JA
                       run_dir=None, overrides=()).train() -> jgrpo.TrainResult
     jgrpo.GRPOTrainer(model=..., reward_funcs=..., args=jgrpo.GRPOConfig(...),
                       train_dataset=..., peft_config=...)     # TRL's names (docs/trl.md)
+    jgrpo.SFTTrainer(model=..., train_dataset=..., args=jgrpo.SFTConfig(...),
+                     peft_config=...).train()                 # supervised (docs/sft.md)
     jgrpo.load_config(path, overrides) -> jgrpo.Config        # jgrpo.ConfigError on bad input
 
-The CLI is `jgrpo train --config ...`; both run `jgrpo.train.run(config, run_dir)`.
+The CLI is `jgrpo train --config ...` (`jgrpo sft` for SFT); both run `jgrpo.train.run(config,
+run_dir)` (`jgrpo.sft.run`).
 """
 
 import os as _os
@@ -37,8 +40,10 @@ _enough_cpu_threads()
 
 _EXPORTS = {
     "GRPOTrainer": "jgrpo.api",
+    "SFTTrainer": "jgrpo.api",
     "TrainResult": "jgrpo.api",
     "GRPOConfig": "jgrpo.trl_config",
+    "SFTConfig": "jgrpo.trl_config",
     "Config": "jgrpo.config",
     "ConfigError": "jgrpo.config",
     "load_config": "jgrpo.config",

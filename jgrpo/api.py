@@ -10,7 +10,7 @@
 Or TRL's shape: `GRPOTrainer(model=..., reward_funcs=..., args=jgrpo.GRPOConfig(...),
 train_dataset=..., peft_config=...)` (`jgrpo.trl_config`, docs/trl.md). It runs the CLI's loop
 (`jgrpo.train.run`), validated like the CLI; the keys apply in the order config, args, model,
-peft_config, overrides; reward functions, tools and environment join data.* before
+peft_config, overrides; reward functions, tools, environment and agent join data.* before
 `validate`; a train_dataset makes data.task `prompts` unless the config names a task."""
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def build_config(
     reward_funcs: Optional[Sequence[RewardFunc] | RewardFunc] = None,
     tools: Sequence[Union[str, Callable[..., Any]]] = (),
     environment: Union[str, type, None] = None,
+    agent: Union[str, Callable[..., Any], None] = None,
     *,
     args=None,
     model=None,
@@ -154,7 +155,7 @@ def build_config(
 ) -> Config:
     """The validated Config of a path / dict / Config, then TRL's `args` (a jgrpo.GRPOConfig),
     `model` and `peft_config`, then overrides; plus reward functions, tools (appended to
-    data.tools) and an environment class (data.environment)."""
+    data.tools), an environment class (data.environment) and an agent (data.agent)."""
     if config is None or isinstance(config, (str, Path)):
         data = read_config(config)  # validated below, with the functions
     elif isinstance(config, Config):
@@ -169,12 +170,14 @@ def build_config(
     if overrides:
         data = apply_overrides(data, list(overrides))
     extra = _weighted(_reward_items(reward_funcs), getattr(args, "reward_weights", None))
-    if extra or tools or environment is not None:
+    if extra or tools or environment is not None or agent is not None:
         section = dict(data.get("data") or {})
         section["reward_functions"] = list(section.get("reward_functions") or []) + extra
         section["tools"] = list(section.get("tools") or []) + list(tools)
         if environment is not None:
             section["environment"] = environment
+        if agent is not None:
+            section["agent"] = agent
         data = {**data, "data": section}
     cfg = validate(from_dict(Config, data))
     from jgrpo.tasks.task import check_rewards_given
@@ -197,6 +200,7 @@ class GRPOTrainer:
         overrides: Sequence[str] = (),
         tools: Sequence[Union[str, Callable[..., Any]]] = (),
         environment: Union[str, type, None] = None,
+        agent: Union[str, Callable[..., Any], None] = None,
         model=None,
         args=None,
         peft_config=None,
@@ -214,6 +218,7 @@ class GRPOTrainer:
             reward_funcs,
             tools,
             environment,
+            agent,
             args=args,
             model=model,
             peft_config=peft_config,
@@ -232,6 +237,104 @@ class GRPOTrainer:
         """Run the GRPO loop (`resume=True` continues from the newest checkpoint)."""
         from jgrpo.metrics import read_metrics
         from jgrpo.train import FINAL_DIR, run
+
+        history = run(
+            self.config,
+            self.run_dir,
+            resume=resume,
+            train_dataset=self.train_dataset,
+            eval_dataset=self.eval_dataset,
+        )
+        return TrainResult(
+            history=history,
+            model_dir=self.run_dir / FINAL_DIR,
+            run_dir=self.run_dir,
+            metrics=read_metrics(self.run_dir),
+        )
+
+
+def build_sft_config(
+    config: Union[str, Path, dict, Config, None],
+    overrides: Sequence[str] = (),
+    *,
+    args=None,
+    model=None,
+    peft_config=None,
+) -> Config:
+    """The validated Config of `jgrpo.SFTTrainer`: a path / dict / Config, then TRL's `args`
+    (a jgrpo.SFTConfig), `model` and `peft_config`, then overrides."""
+    from jgrpo.trl_config import SFTConfig, lora_keys, sft_keys
+
+    if config is None or isinstance(config, (str, Path)):
+        data = read_config(config)
+    elif isinstance(config, Config):
+        data = _raw(config)
+    elif isinstance(config, dict):
+        data = dict(config)
+    else:
+        raise ConfigError(
+            f"config: expected a YAML path, a dict or a jgrpo Config, got {type(config).__name__}"
+        )
+    keys: dict[str, Any] = {}
+    if args is not None:
+        if not isinstance(args, SFTConfig):
+            raise ConfigError(f"args: expected a jgrpo.SFTConfig, got {type(args).__name__}")
+        keys |= sft_keys(args)
+    if model is not None:
+        keys["model.path"] = _model_path(model)
+    if peft_config is not None:
+        keys |= lora_keys(peft_config)
+    data = _set_keys(data, keys)
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+    return validate(from_dict(Config, data))
+
+
+class SFTTrainer:
+    """Supervised fine-tuning from Python, in TRL's shape (docs/sft.md):
+
+        trainer = jgrpo.SFTTrainer(model="builtin:tiny-qwen2-chat", train_dataset=records,
+                                   args=jgrpo.SFTConfig(max_steps=10, learning_rate=1e-3))
+        result = trainer.train()      # result.history, result.metrics, result.model_dir
+
+    `config` (a YAML path, dict or Config) is the base; `args` (jgrpo.SFTConfig, TRL's names),
+    `model` (what model.path takes), `peft_config` (LoRA) and `overrides` (dotted keys) apply
+    in that order. `train_dataset` / `eval_dataset` (list of dicts or datasets.Dataset of
+    `messages` or prompt/completion records) replace sft.train_path / sft.val_path. It runs the
+    CLI's `jgrpo sft` loop (`jgrpo.sft.run`)."""
+
+    def __init__(
+        self,
+        config: Union[str, Path, dict, Config, None] = None,
+        *,
+        model=None,
+        train_dataset=None,
+        eval_dataset=None,
+        args=None,
+        peft_config=None,
+        run_dir: Union[str, Path, None] = None,
+        overrides: Sequence[str] = (),
+        **unsupported: Any,
+    ):
+        for name in unsupported:
+            raise ConfigError(f"SFTTrainer: {name} is not supported (docs/sft.md)")
+        self.config = build_sft_config(
+            config, overrides, args=args, model=model, peft_config=peft_config
+        )
+        self.args = args
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        output_dir = getattr(args, "output_dir", None)
+        if run_dir is not None and output_dir is not None:
+            raise ConfigError("run_dir: give run_dir or SFTConfig.output_dir, not both")
+        run_dir = run_dir or output_dir
+        self.run_dir = Path(run_dir or Path("runs") / time.strftime("sft-%Y%m%d-%H%M%S"))
+
+    def train(self, resume: bool = False) -> TrainResult:
+        """Run the SFT loop (`resume=True` continues from the newest checkpoint)."""
+        from jgrpo.export import FINAL_DIR
+        from jgrpo.metrics import read_metrics
+        from jgrpo.sft import run
 
         history = run(
             self.config,

@@ -1,6 +1,6 @@
 """`jgrpo` command line: argv -> config -> library call, and the run folder's safety rules.
 
-Commands: train, eval, export, inspect-step, convert-gguf, plot. Every invalid input ends with
+Commands: train, sft, eval, export, inspect-step, convert-gguf, plot. Every invalid input ends with
 exit code 2 and one line on stderr naming the key or file, before any model loads; the checks
 that need no jax (config, run folder, model folder, data) run before jax is imported, so a
 rejected invocation takes well under a second. Ctrl-C exits 130 with one line. Warnings print
@@ -91,18 +91,21 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         return sp
 
-    train = with_config("train", "run GRPO training")
-    train.add_argument("--run-dir", help="run folder (default: a fresh folder under runs/)")
-    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    train.add_argument("--fresh", action="store_true", help="delete --run-dir contents first")
-    train.add_argument("--show-config", action="store_true", help="print the resolved config")
-    pod = train.add_argument_group("multi-host pod (one process per host; see docs/pods.md)")
-    pod.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-    pod.add_argument("--num-processes", type=int, metavar="N", help="processes in the pod")
-    pod.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
-    pod.add_argument(
-        "--peer-timeout", type=float, metavar="S", help="seconds before a silent peer is lost"
-    )
+    for name, help_text in (("train", "run GRPO training"), ("sft", "supervised fine-tuning")):
+        train = with_config(name, help_text)
+        train.add_argument("--run-dir", help="run folder (default: a fresh folder under runs/)")
+        train.add_argument(
+            "--resume", action="store_true", help="continue from the latest checkpoint"
+        )
+        train.add_argument("--fresh", action="store_true", help="delete --run-dir contents first")
+        train.add_argument("--show-config", action="store_true", help="print the resolved config")
+        pod = train.add_argument_group("multi-host pod (one process per host; see docs/pods.md)")
+        pod.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+        pod.add_argument("--num-processes", type=int, metavar="N", help="processes in the pod")
+        pod.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+        pod.add_argument(
+            "--peer-timeout", type=float, metavar="S", help="seconds before a silent peer is lost"
+        )
 
     ev = with_config("eval", "held-out accuracy of a checkpoint or HF folder")
     ev.add_argument("--checkpoint", help="run folder or checkpoint step folder")
@@ -140,6 +143,10 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNG curves of a run", parents=[loudness])
     plot.add_argument("run_dir")
     return p
+
+
+TRAINS = ("train", "sft")
+"""Commands that train into a run folder (same folder rules, resume, pods)."""
 
 
 def _fail(message: str) -> int:
@@ -226,8 +233,11 @@ def _dispatch(args) -> int:
         from jgrpo.inspect_report import parse_device_memory
 
         memory = parse_device_memory(args.device_memory)
-    quiet = ["logging.progress_bar=false"] if args.quiet and args.command == "train" else []
+    quiet = ["logging.progress_bar=false"] if args.quiet and args.command in TRAINS else []
     cfg = load_config(args.config, [*args.overrides, *quiet])
+    from jgrpo.xla_flags import set_gpu_flags
+
+    set_gpu_flags()  # on GPU only; before anything starts a JAX backend
     if args.command == "inspect-step":
         from jgrpo.inspect_report import device_fit, format_report
         from jgrpo.inspect_step import inspect_step
@@ -297,18 +307,30 @@ def check_output_folder(out: str | Path, overwrite: bool, what: str) -> None:
         )
 
 
-def _check_model_and_data(cfg, data: bool = True) -> None:
+def _check_model_and_data(cfg, data: bool = True, sft: bool = False) -> None:
     """The checks that need no jax: data, then the model folder (headers, shapes, tokenizer);
-    data first, so a bad data option is named before a model download of gigabytes."""
+    data first, so a bad data option is named before a model download of gigabytes. `sft`:
+    also sft.train_path / sft.val_path are read, and the model is sized for sft.max_seq_length."""
     from jgrpo.config.rules import needs_chat_turns
+    from jgrpo.models.preflight import check_lora_targets
     from jgrpo.models.sources import check_model_path
 
     if data:
         from jgrpo.tasks import make_task
 
         make_task(cfg.data, cfg.grpo.seed)
+    if sft:
+        from jgrpo.tasks.data import load_table
+
+        for key in ("train_path", "val_path"):
+            path = getattr(cfg.sft, key)
+            if path is not None:
+                load_table(path, f"sft.{key}", key.removesuffix("_path"), cfg.sft.dataset_config)
+        check_model_path(cfg.model.path, cfg.sft.max_seq_length)
+        return
     length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
-    check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
+    hf = check_model_path(cfg.model.path, length, multi_turn=data and needs_chat_turns(cfg))
+    check_lora_targets(hf, cfg.model.lora)
 
 
 def run_folder_kind(run_dir: Path) -> str:
@@ -391,13 +413,18 @@ def _train(cfg, args) -> int:
     check_run_dir(run_dir, args.resume, args.fresh)
     if args.resume:
         _check_resume_config(cfg, run_dir)
-    _check_model_and_data(cfg)
+    sft = args.command == "sft"
+    _check_model_and_data(cfg, sft=sft)
     log.debug("importing jax")
     distributed.initialize(spec)  # before anything touches a device (the checks above need none)
     from jgrpo import train
     from jgrpo.tasks.child import UserCodeError
 
-    train.check_run(cfg)
+    if sft:
+        from jgrpo import sft as trainer
+    else:
+        trainer = train
+    trainer.check_run(cfg)
     # Every check passed: only now may --fresh delete (a recognised run folder, see above).
     if args.fresh and run_folder_kind(run_dir) == "run" and distributed.is_primary():
         import shutil
@@ -412,7 +439,7 @@ def _train(cfg, args) -> int:
         raise ConfigError(f"--run-dir: cannot write {str(run_dir)!r} ({e.strerror})") from None
     log.info("run folder %s", run_dir)  # every check passed: what follows is the run
     try:
-        history = train.run(cfg, run_dir, resume=args.resume)
+        history = trainer.run(cfg, run_dir, resume=args.resume)
     except (train.RunStopped, UserCodeError) as e:  # UserCodeError: data.reward_errors: raise
         print(f"jgrpo: stopped: {e}", file=sys.stderr)
         if isinstance(e, UserCodeError) and distributed.is_multiprocess():
@@ -428,7 +455,7 @@ def _train(cfg, args) -> int:
     distributed.finish()
     if not distributed.is_primary():
         return 0
-    print(train.summarize(history))
+    print(trainer.summarize(history))
     print(f"run folder: {run_dir}")
     return 0
 

@@ -45,15 +45,17 @@ def total_updates(cfg: Config) -> int:
     return cfg.grpo.max_num_steps * cfg.grpo.num_minibatches
 
 
-def make_schedule(kind: str, warmup_steps: int, total_updates: int) -> optax.Schedule:
+def make_schedule(
+    kind: str, warmup_steps: int, total_updates: int, min_ratio: float = 0.0
+) -> optax.Schedule:
     """Multiplier of the peak learning rate after `count` updates: linear warmup from
-    1/warmup_steps to 1 over warmup_steps updates, then constant / linear / cosine decay to 0
-    at total_updates (optax schedules)."""
+    1/warmup_steps to 1 over warmup_steps updates, then constant / linear / cosine decay to
+    `min_ratio` (optim.min_lr_ratio) at total_updates (optax schedules)."""
     warm, decay_steps = warmup_steps, max(total_updates - warmup_steps, 1)
     decay = {
         "constant": optax.constant_schedule(1.0),
-        "linear": optax.linear_schedule(1.0, 0.0, decay_steps),
-        "cosine": optax.cosine_decay_schedule(1.0, decay_steps),
+        "linear": optax.linear_schedule(1.0, min_ratio, decay_steps),
+        "cosine": optax.cosine_decay_schedule(1.0, decay_steps, alpha=min_ratio),
     }[kind]
     if warm == 0:
         return decay
@@ -64,7 +66,7 @@ def make_schedule(kind: str, warmup_steps: int, total_updates: int) -> optax.Sch
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """inject_hyperparams(clip_by_global_norm -> adamw(peak lr x schedule)), float32 moments."""
     o = cfg.optim
-    schedule = make_schedule(o.schedule, o.warmup_steps, total_updates(cfg))
+    schedule = make_schedule(o.schedule, o.warmup_steps, total_updates(cfg), o.min_lr_ratio)
 
     def chain(learning_rate, weight_decay, max_grad_norm=None):
         adamw = optax.adamw(

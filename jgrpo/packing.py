@@ -4,10 +4,12 @@ Host (numpy, deterministic): `pack_batch(batch, spec)` -> `PackedBatch(rows, lay
 the TrainBatch unchanged; `layout` holds each row's real tokens (attention_mask 1, in order, the
 row whole) in packed rows of `spec.width` tokens and `spec.scored_width` scored slots: longest
 row first, into the first packed row with room for its tokens and its scored tokens (token_mask
-1). Minibatch m packs its own rows (row i, packed row j in minibatch i, j mod M, as the step
-splits them). A packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions
-(0..L-1 = the row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored
-token, row by row in column order. The packed rows per minibatch are a multiple of
+1). Each microbatch packs the rows it holds unpacked (row i: minibatch i mod M, microbatch
+(i // M) mod K; packed rows likewise): an MoE model's router terms pool the same tokens. A
+packed row holds segment ids (1, 2, ...; 0 = padding), per-segment positions (0..L-1 = the
+row's cumsum(mask) - 1) and `scored` [R, H], the packed position of each scored token, row by
+row in column order (recorded `expert_ids` [R, W, l_moe, k] go with their tokens, -1
+elsewhere). The packed rows per minibatch are a multiple of
 `spec.row_quantum`, bucketed (`row_buckets`: at most 4 log2(n) + 1 counts). Device:
 `unpack_logprobs` reads [R, H] slot logprobs back to rows [B, T], 0 off token_mask, so
 losses.py sees the unpacked batch's arrays; `microbatch_of` says which microbatch holds a row.
@@ -40,6 +42,8 @@ class PackSpec:
     row_quantum: int
     """Packed rows per minibatch are a multiple of this: microbatches x this process's
     data x fsdp devices (every microbatch splits over the batch-sharded devices)."""
+    num_microbatches: int = 1
+    """K: each microbatch packs its own rows (row_quantum is a multiple of it)."""
 
     @classmethod
     def from_config(cls, cfg, batch_devices: int) -> PackSpec:
@@ -50,6 +54,7 @@ class PackSpec:
             scored_width=cfg.rollout.max_new_tokens,
             num_minibatches=g.num_minibatches,
             row_quantum=g.num_microbatches * max(batch_devices // jax.process_count(), 1),
+            num_microbatches=g.num_microbatches,
         )
 
 
@@ -78,6 +83,9 @@ class PackedLayout:
     scored: Any
     row: Any
     slot: Any
+    expert_ids: Any = None
+    """[R, W, l_moe, k] int16 the rows' recorded experts (TrainBatch.expert_ids) at their packed
+    positions, -1 elsewhere; None when the batch has none."""
 
     FIELDS: ClassVar[dict[str, str]] = {
         "input_ids": "rw",
@@ -96,7 +104,9 @@ class PackedLayout:
         return self.input_ids, self.positions, self.segment_ids, self.scored
 
     def as_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.FIELDS}
+        """The fields by name (expert_ids when present)."""
+        names = (*self.FIELDS, *(() if self.expert_ids is None else ("expert_ids",)))
+        return {name: getattr(self, name) for name in names}
 
 
 @struct.dataclass
@@ -107,16 +117,22 @@ class PackedBatch:
     layout: PackedLayout
 
     @classmethod
-    def abstract(cls, rows, tokens, packed_rows, width, scored_width, mesh=None) -> PackedBatch:
-        """ShapeDtypeStructs (batch-sharded over `mesh` if given) for lowering."""
+    def abstract(
+        cls, rows, tokens, packed_rows, width, scored_width, mesh=None, routing=None
+    ) -> PackedBatch:
+        """ShapeDtypeStructs (batch-sharded over `mesh` if given) for lowering; `routing` =
+        (l_moe, k): with recorded expert ids (TrainBatch.abstract)."""
         shapes = {"rw": (packed_rows, width), "rh": (packed_rows, scored_width), "b": (rows,)}
+        shapes["rwlk"] = (packed_rows, width, *(routing or ()))
 
-        def struct_of(axes):
-            shard = None if mesh is None else sharding.batch_sharding(mesh, len(axes))
-            return jax.ShapeDtypeStruct(shapes[axes], jnp.int32, sharding=shard)
+        def struct_of(axes, dtype=jnp.int32):
+            shard = None if mesh is None else sharding.batch_sharding(mesh, len(shapes[axes]))
+            return jax.ShapeDtypeStruct(shapes[axes], dtype, sharding=shard)
 
         layout = {name: struct_of(axes) for name, axes in PackedLayout.FIELDS.items()}
-        return cls(TrainBatch.abstract(rows, tokens, mesh), PackedLayout(**layout))
+        if routing is not None:
+            layout["expert_ids"] = struct_of("rwlk", TrainBatch.OPTIONAL["expert_ids"][1])
+        return cls(TrainBatch.abstract(rows, tokens, mesh, routing), PackedLayout(**layout))
 
     def shard(self, mesh) -> PackedBatch:
         """This process's rows and packed rows (numpy) -> global arrays over data x fsdp."""
@@ -185,30 +201,37 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
     host = {name: np.asarray(value) for name, value in batch.items()}
     real_bt, scored_bt = host["attention_mask"] > 0, host["token_mask"] > 0
     b, t = real_bt.shape
-    m_count = spec.num_minibatches
+    m_count, k_count = spec.num_minibatches, spec.num_microbatches
+    groups = m_count * k_count  # (minibatch m, microbatch k) holds rows m + M k, + M K, ...
     width, h = spec.width or t, spec.scored_width
     _check_rows(real_bt, scored_bt, width, h)
     lengths_b, scored_b = real_bt.sum(1), scored_bt.sum(1)
     plans, need = [], 1
-    for m in range(m_count):
-        plan, used = _first_fit_decreasing(lengths_b[m::m_count], scored_b[m::m_count], width, h)
+    for start in range(groups):
+        rows = slice(start, None, groups)
+        plan, used = _first_fit_decreasing(lengths_b[rows], scored_b[rows], width, h)
         plans.append(plan)
         need = max(need, used)
     q = spec.row_quantum
-    units = bucket_units(-(-need // q), (b // m_count) // q)
+    per_unit = q // k_count  # a microbatch's packed rows per unit: its batch devices
+    units = bucket_units(-(-need // per_unit), (b // m_count) // q)
     if distributed.is_multiprocess():  # one program on every process: the largest count
         units = max(int(u) for u in distributed.allgather(np.int64(units)))
-    per_minibatch = units * q
-    r = per_minibatch * m_count
+    r = units * q * m_count
     first = distributed.process_index() * r if distributed.is_multiprocess() else 0
     arrays = {name: np.zeros((r, width), np.int32) for name in ("input_ids", "positions")}
     arrays["segment_ids"] = np.zeros((r, width), np.int32)
     arrays["scored"] = np.zeros((r, h), np.int32)
+    experts = host.get("expert_ids")
+    if experts is not None:
+        arrays["expert_ids"] = np.full((r, width, *experts.shape[2:]), -1, experts.dtype)
     row_b, slot_b = np.zeros(b, np.int32), np.zeros(b, np.int32)
-    for m, plan in enumerate(plans):
-        for n, i in enumerate(range(m, b, m_count)):
+    for start, plan in enumerate(plans):
+        m, k = start % m_count, start // m_count
+        for n, i in enumerate(range(start, b, groups)):
             j, offset, slot, segment = (int(x) for x in plan[:, n])
-            g = j * m_count + m  # this process's packed row; minibatch g mod M = m
+            # this process's packed row: minibatch g mod M = m, microbatch (g // M) mod K = k
+            g = (j * k_count + k) * m_count + m
             row_b[i], slot_b[i] = first + g, slot
             if segment == 0:
                 continue
@@ -217,6 +240,8 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
             arrays["input_ids"][g, span] = host["input_ids"][i, cols]
             arrays["positions"][g, span] = np.arange(len(cols))
             arrays["segment_ids"][g, span] = segment
+            if experts is not None:
+                arrays["expert_ids"][g, span] = experts[i, cols]
             ranks = np.flatnonzero(scored_bt[i, cols])  # scored tokens among the real ones
             arrays["scored"][g, slot : slot + len(ranks)] = offset + ranks
     return PackedBatch(batch, PackedLayout(**arrays, row=row_b, slot=slot_b))

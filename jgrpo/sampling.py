@@ -11,8 +11,9 @@ cache column P + i and position prompt_len_b + i, the positions the trainer's fo
 `Generation.logprobs` are log_softmax(logits / temperature) BEFORE filtering (the loss's `lg`).
 Token i of row b draws with `fold_in(fold_in(key, first_row + b), i)`: a row's tokens depend
 neither on its batch, nor on `decode_slots` S < B (S cache rows, refilled: jgrpo/slots.py), nor
-on `compact_decode` (the one-batch loop narrows to its running rows). One executable per
-(B, U, P, S, DecodeSpec), shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
+on `compact_decode` (the one-batch loop, or the slot loop's tail, narrows to its running
+rows); `record_experts`: each fed token's experts. One executable per (B, U, P, S, DecodeSpec),
+shardings; kernels follow `model.cfg.kernels`. docs/sampler.md."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from flax import nnx
 from jgrpo.draws import greedy_token, sample_token
 from jgrpo.models import kernels
 from jgrpo.models.kernels import resolve_kernels
+from jgrpo.models.moe import RECORDED_ID_DTYPE, expert_rows
 from jgrpo.models.transformer import Transformer
 from jgrpo.slots import decode_in_slots
 
@@ -63,9 +65,13 @@ class SamplingParams:
     """Rows decoded at once (static): a stopped row's slot takes the next waiting row, so the
     KV cache holds this many rows; None (or >= the rows) = every row at once."""
     compact_decode: bool = False
-    """Every row at once, narrowing the batch as rows stop (static): once no more than half,
-    a quarter, an eighth of the rows still run, they go on as a batch of that width (same
-    tokens); not with decode_slots < the rows (that loop keeps its slots full instead)."""
+    """Narrow the decode batch as rows stop (static): once no more than half, a quarter, an
+    eighth of the rows still run, they go on as a batch of that width (same tokens); with
+    decode_slots < the rows, the slots narrow so once no row waits (the tail). False here, for
+    direct calls; a run's rollout.compact_decode defaults to true."""
+    record_experts: bool = False
+    """An MoE model records the experts of every token it feeds (the prompt's and the
+    completion's) in `Generation.expert_ids` (static; model.moe.router_replay)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -114,7 +120,9 @@ class DecodeSpec:
     decode_slots: Optional[int] = None
     """Slots of the continuous-batching loop (< the rows); None = every row in one batch."""
     compact: bool = False
-    """The one-batch loop narrows as rows stop (`compact_widths`)."""
+    """The one-batch loop, or the slot loop's tail, narrows as rows stop (`compact_widths`)."""
+    record_experts: bool = False
+    """Record each fed token's experts (an MoE model's `prefill_routed` / `decode_step_routed`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +145,10 @@ class Generation:
     """[B] int32 real prompt tokens per row."""
     num_decode_steps: int
     """Decode-loop iterations run (<= N - 1; fewer when every row stopped early)."""
+    expert_ids: Optional[np.ndarray] = None
+    """[B, P + N, l_moe, k] int16 (`record_experts`, MoE models): the experts each MoE layer
+    routed every token the sampler fed to; -1 on the others (prompt padding, the last token
+    and after the end). Aligned with prompt_tokens ++ tokens. None when not recorded."""
 
 
 # ----------------------------------------------------------------------------- the jitted core
@@ -164,9 +176,13 @@ def cache_length(prompt_width: int, max_new_tokens: int) -> int:
 def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingParams) -> int:
     """Bytes of the KV cache of one `generate` call over `rows` rows: keys and values of every
     layer for min(rows, params.decode_slots) rows x `cache_length` slots, in the compute dtype
-    (the staged prompt of the decode-slot loop adds one row)."""
+    (the staged prompt of the decode-slot loop adds one row; under compact_decode the first
+    narrowing gathers half of them into a new cache while the wider one is still live)."""
     slots = params.decode_slots
-    held = rows if slots is None or slots >= rows else slots + 1
+    pool = rows if slots is None or slots >= rows else slots
+    held = pool if pool == rows else pool + 1
+    if params.compact_decode and pool > 1:
+        held += compact_widths(pool)[1]
     per_row = cache_length(prompt_width, params.max_new_tokens) * 2 * model_cfg.num_layers
     per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * model_cfg.jnp_dtype.itemsize
     return held * per_row
@@ -228,8 +244,12 @@ def _generate_padded(
     positions_up = jnp.maximum(jnp.cumsum(prompt_mask_up, axis=-1) - 1, 0)
     cache_len = cache_length(p, n)
     path = resolve_kernels(model.cfg.kernels)
+    record = spec.record_experts and hasattr(model, "decode_step_routed")
+    if record and model.cfg.moe.num_experts > jnp.iinfo(RECORDED_ID_DTYPE).max:
+        raise ValueError(f"record_experts: {model.cfg.moe.num_experts} experts exceed int16 ids")
     model = _in_compute_dtype(model)
     layers = model.layer_weights()  # once per call, not per token (fused q|k|v, gate|up)
+    head_dv = model.head_weights()  # likewise (the tied head: the embedding transposed)
     if spec.decode_slots is not None:
         return decode_in_slots(
             model,
@@ -243,11 +263,18 @@ def _generate_padded(
             spec=spec,
             cache_len=cache_len,
             segments=_segments(n, spec.attention_chunk, p) or [(2, cache_len)],
+            widths=compact_widths(spec.decode_slots) if spec.compact else (spec.decode_slots,),
             path=path,
+            record=record,
         )
-    logits_uv, cache = model.prefill(
-        prompt_ids_up, positions_up, prompt_mask_up, cache_len, last_layer=layers[-1]
-    )
+    if record:
+        logits_uv, cache, prompt_ids_lupk = model.prefill_routed(
+            prompt_ids_up, positions_up, prompt_mask_up, cache_len
+        )
+    else:
+        logits_uv, cache = model.prefill(
+            prompt_ids_up, positions_up, prompt_mask_up, cache_len, last_layer=layers[-1]
+        )
     # each prompt's cache and last logits go to its `group` rows
     to_rows = (lambda x: x) if group == 1 else (lambda x: jnp.repeat(x, group, axis=0))
     logits_bv, cache = to_rows(logits_uv), jax.tree.map(to_rows, cache)
@@ -272,10 +299,11 @@ def _generate_padded(
                 logits_bv, keys_b, temperature, top_p, spec.top_k, spec.nucleus, path=path
             )
 
-    def emit(i, logits_wv, carry, rows_w=None):
+    def emit(i, logits_wv, carry, rows_w=None, ids_lwk=None):
         """Draw token i from logits_wv and record it (rows already done emit pad). rows_w: the
-        batch's rows after compaction (b: a filler row, never written); None: all b rows."""
-        tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = carry
+        batch's rows after compaction (b: a filler row, never written); None: all b rows.
+        ids_lwk: the experts of the fed token i - 1 (record_experts)."""
+        tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b, *experts = carry
         at_w = None if rows_w is None else jnp.minimum(rows_w, b - 1)
         done_w = done_b if rows_w is None else done_b[at_w] | (rows_w >= b)
         token_w, lp_w, flp_w = draw(i, logits_wv, at_w)
@@ -284,14 +312,18 @@ def _generate_padded(
         flp_w = jnp.where(done_w, 0.0, flp_w)
         ended_w = done_w | jnp.isin(token_w, stops)
         if rows_w is None:
-            put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
+            put = lambda buf, x, i=i: jax.lax.dynamic_update_slice_in_dim(
+                buf, x[:, None], i, axis=1
+            )
             done_b, lengths_b = ended_w, lengths_b + (~done_w).astype(jnp.int32)
         else:
-            put = lambda buf, x: buf.at[rows_w, i].set(x, mode="drop")
+            put = lambda buf, x, i=i: buf.at[rows_w, i].set(x, mode="drop")
             done_b = done_b.at[rows_w].set(ended_w, mode="drop")
             lengths_b = lengths_b.at[rows_w].add((~done_w).astype(jnp.int32), mode="drop")
         carry = (put(tokens_bn, token_w), put(logprobs_bn, lp_w), put(filtered_bn, flp_w))
-        return (*carry, done_b, lengths_b), token_w
+        if experts and ids_lwk is not None:  # column i - 1: the fed token's
+            experts = [put(experts[0], expert_rows(ids_lwk), i - 1)]
+        return (*carry, done_b, lengths_b, *experts), token_w
 
     out = (
         jnp.full((b, n), spec.pad_id, jnp.int32),
@@ -300,6 +332,9 @@ def _generate_padded(
         jnp.zeros((b,), jnp.bool_),
         jnp.zeros((b,), jnp.int32),
     )
+    if record:  # [b, n, l_moe, k]: column c holds the experts of completion token c
+        moe = model.cfg.moe
+        out += (jnp.full((b, n, moe.num_sparse, moe.top_k), -1, RECORDED_ID_DTYPE),)
     out, token_b = emit(0, logits_bv, out)
     i = jnp.asarray(1, jnp.int32)
     # compaction: the batch narrows to the next width once no more rows than that still run
@@ -322,15 +357,29 @@ def _generate_padded(
                 i, cache, token_w, out = loop
                 rows_w, plen_w, kv_mask_ws = rows
                 slot = p + i - 1  # token i - 1 goes into its cache slot; its logits give token i
-                logits_wv, cache = model.decode_step(
-                    layers, token_w, plen_w + i - 1, kv_mask_ws, cache, slot, attend_len
+                args = (
+                    layers,
+                    token_w,
+                    plen_w + i - 1,
+                    kv_mask_ws,
+                    cache,
+                    slot,
+                    attend_len,
+                    head_dv,
                 )
-                out, token_w = emit(i, logits_wv, out, rows_w)
+                if record:
+                    logits_wv, cache, ids_lwk = model.decode_step_routed(*args)
+                else:
+                    (logits_wv, cache), ids_lwk = model.decode_step(*args), None
+                out, token_w = emit(i, logits_wv, out, rows_w, ids_lwk)
                 return i + 1, cache, token_w, out
 
             i, cache, token_b, out = jax.lax.while_loop(cond, body, (i, cache, token_b, out))
 
-    tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b = out
+    tokens_bn, logprobs_bn, filtered_bn, done_b, lengths_b, *experts = out
+    recorded = {}
+    if record:
+        recorded = dict(expert_ids=experts[0], prompt_expert_ids=expert_rows(prompt_ids_lupk))
     return dict(
         tokens=tokens_bn,
         logprobs=logprobs_bn,
@@ -338,7 +387,22 @@ def _generate_padded(
         lengths=lengths_b,
         truncated=~done_b,
         num_decode_steps=i - 1,
+        **recorded,
     )
+
+
+def recorded_expert_ids(out: dict, lengths_b, prompt_lengths_b, group_size: int):
+    """The host's [B, P + N, l_moe, k] `Generation.expert_ids` of a core's output: prompt
+    (repeated to the group's rows) ++ completion, -1 where no fed token was routed (prompt
+    padding, each row's last token and after its end)."""
+    prompt_bplk = np.repeat(np.asarray(out["prompt_expert_ids"]), group_size, axis=0)
+    completion_bnlk = np.asarray(out["expert_ids"])
+    p, n = prompt_bplk.shape[1], completion_bnlk.shape[1]
+    pad_bp = np.arange(p)[None, :] < (p - prompt_lengths_b[:, None])
+    unfed_bn = np.arange(n)[None, :] >= (lengths_b[:, None] - 1)
+    ids = np.concatenate([prompt_bplk, completion_bnlk], axis=1)
+    ids[np.concatenate([pad_bp, unfed_bn], axis=1)] = -1
+    return ids
 
 
 generate_padded = jax.jit(
@@ -384,6 +448,7 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
         attention_chunk=params.attention_chunk,
         decode_slots=params.decode_slots,
         compact=params.compact_decode,
+        record_experts=params.record_experts,
     )
 
 
@@ -429,11 +494,6 @@ def generate(
     spec = make_decode_spec(model.cfg, params)
     if spec.decode_slots is not None and spec.decode_slots >= len(prompts):
         spec = dataclasses.replace(spec, decode_slots=None)  # every row at once: one batch
-    if spec.compact and spec.decode_slots is not None:
-        raise ValueError(
-            f"generate: compact_decode narrows the one-batch loop; decode_slots "
-            f"{spec.decode_slots} < {len(prompts)} rows keeps slots full instead: set one of them"
-        )
     unique = prompts if group_size == 1 else shared_prompts(prompts, group_size)
     ids_up, lengths_u = pad_prompts(unique, params.prompt_bucket, spec.pad_id)
     out = generate_padded(
@@ -449,6 +509,10 @@ def generate(
         spec=spec,
     )
     out = {name: np.asarray(x) for name, x in out.items()}  # waits; cheaper than device_get
+    prompt_lengths = np.repeat(lengths_u, group_size)
+    experts = None
+    if "expert_ids" in out:
+        experts = recorded_expert_ids(out, out["lengths"], prompt_lengths, group_size)
     return Generation(
         tokens=out["tokens"],
         logprobs=out["logprobs"],
@@ -456,6 +520,7 @@ def generate(
         lengths=out["lengths"],
         truncated=out["truncated"],
         prompt_tokens=np.repeat(ids_up, group_size, axis=0),
-        prompt_lengths=np.repeat(lengths_u, group_size),
+        prompt_lengths=prompt_lengths,
         num_decode_steps=int(out["num_decode_steps"]),
+        expert_ids=experts,
     )

@@ -3,11 +3,11 @@
 - `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
   ref_params, frozen=None, teacher=None) -> (state, metrics)`, a `TopLevelStep` (compiled with
   the sampler's XLA options) that donates `state` and pins the output state's shardings.
-- `StepFlags` (static) decides the program; float hyperparameters travel traced in
-  `StepHparams` (sweeping them never recompiles). `batch`: a `jgrpo.batch.TrainBatch`, or under
+- `StepFlags` (static; `objective="sft"`: `jgrpo.sft`'s loss) decides the program; floats
+  travel traced in `StepHparams` (a sweep never recompiles). `batch`: a TrainBatch, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
-  all trains) joins `TrainState.params` in every forward (`with_frozen`), never updated.
+  all trains) joins `TrainState.params` in every forward (jgrpo.forwards), never updated.
 - In one call (docs/losses.md): the reference, prev and teacher forwards (when their flags say
   so, each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
@@ -19,18 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import struct
 
-from jgrpo import distillation, losses, packing
+from jgrpo import distillation, losses, packing, replay
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, LossConfig
+from jgrpo.forwards import (  # noqa: F401 (sequence_logprobs: the step's forward, re-exported)
+    chunk_rows,
+    frozen_logprobs,
+    policy_logprobs_routed,
+    scan_chunks,
+    sequence_logprobs,
+    unchunk_rows,
+    with_frozen,
+)
 from jgrpo.models import kernels
-from jgrpo.models.moe_transformer import MoETransformer
 from jgrpo.optimizer import (
     OptimizerHparams,
     make_schedule,
@@ -58,6 +66,8 @@ class StepFlags:
     clip_grad_norm: bool = True
     schedule: str = "constant"
     warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """optim.min_lr_ratio (a compile-time constant of the schedule, like warmup_steps)."""
     total_updates: int = 1
     lora: bool = False
     """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
@@ -68,11 +78,24 @@ class StepFlags:
     `TrainBatch.check_scored_from` rejects a batch with a generated token there."""
     sequence_packing: bool = False
     """The batch is a `jgrpo.packing.PackedBatch`: every forward runs over its packed rows."""
+    objective: Literal["grpo", "sft"] = "grpo"
+    """The loss: grpo (`losses.policy_loss` on the advantages) or sft (`losses.sft_loss`, the
+    mean NLL of the token_mask tokens; no advantages, no frozen forwards: `jgrpo.sft`)."""
+    record_routing: bool = False
+    """The batch carries the sampler's expert ids (`TrainBatch.expert_ids`, an MoE model under
+    model.moe.router_replay or record_routing): the policy forward logs moe/routing_mismatch."""
+    router_replay: bool = False
+    """The prev and policy forwards route the recorded tokens with the sampler's experts
+    (model.moe.router_replay; the reference forward routes by its own router)."""
     distill: bool = False
     """The teacher forward and its term of the advantage (`teacher`: jgrpo.distillation)."""
 
     @classmethod
-    def from_config(cls, cfg: Config) -> StepFlags:
+    def from_config(
+        cls, cfg: Config, objective: Literal["grpo", "sft"] = "grpo", moe_model: bool = False
+    ) -> StepFlags:
+        """`moe_model`: the policy is an MoE model (model.moe's routing flags apply)."""
+        moe = cfg.model.moe
         return cls(
             compute_prev_logprobs=not cfg.skip_prev,
             compute_ref_logprobs=not cfg.skip_ref,
@@ -84,11 +107,15 @@ class StepFlags:
             clip_grad_norm=cfg.optim.max_grad_norm is not None,
             schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
             total_updates=total_updates(cfg),
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
             sequence_packing=cfg.grpo.sequence_packing,
-            distill=cfg.distillation.teacher is not None,
+            objective=objective,
+            record_routing=moe_model and (moe.router_replay or moe.record_routing),
+            router_replay=moe_model and moe.router_replay,
+            distill=cfg.distillation.teacher is not None and objective == "grpo",
         )
 
 
@@ -179,124 +206,18 @@ class ScoredBatch:
     """The reference forward's logprobs (None when compute_ref_logprobs is off)."""
     layout: Optional[packing.PackedLayout] = None
     """The packed rows every forward runs over (None: the rows themselves)."""
+    expert_ids: Optional[jax.Array] = None
+    """[B, T, l_moe, k] the sampler's recorded experts (flags.record_routing), else None."""
 
     def loss_inputs(self) -> dict[str, jax.Array]:
         """The arrays `losses.policy_loss` reads, by name (absent forwards left out)."""
-        fields = (f.name for f in dataclasses.fields(self) if f.name != "layout")
+        fields = (
+            f.name for f in dataclasses.fields(self) if f.name not in ("layout", "expert_ids")
+        )
         return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
 
 # ----------------------------------------------------------------------------- pieces
-
-
-def scan_chunks(f, carry, xs_k):
-    """`jax.lax.scan(f, carry, xs_k)` over the leading (chunk) axis, or, for one chunk, the body
-    called once: XLA keeps a one-trip while loop as a loop (nothing fuses across its
-    boundary). Same values either way."""
-    if jax.tree.leaves(xs_k)[0].shape[0] != 1:
-        return jax.lax.scan(f, carry, xs_k)
-    carry, y = f(carry, jax.tree.map(lambda x: x[0], xs_k))
-    return carry, jax.tree.map(lambda x: x[None], y)
-
-
-def chunk_rows(tree, num_chunks: int):
-    """[B, ...] -> [K, B/K, ...] with row i in chunk i mod K (keeps batch sharding intact)."""
-
-    def split(x):
-        return jnp.swapaxes(x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]), 0, 1)
-
-    return jax.tree.map(split, tree)
-
-
-def unchunk_rows(x_k):
-    """Inverse of chunk_rows for one array."""
-    return jnp.swapaxes(x_k, 0, 1).reshape(-1, *x_k.shape[2:])
-
-
-def with_frozen(params, frozen):
-    """The full parameter tree: the trainable `params` nested dict merged with the `frozen`
-    one (None = nothing frozen). Their leaf paths are disjoint."""
-    if frozen is None or params is None:
-        return params
-    out = dict(params)
-    for key, value in frozen.items():
-        out[key] = with_frozen(out[key], value) if key in out else value
-    return out
-
-
-def sequence_logprobs(
-    graphdef,
-    params,
-    input_ids_bt,
-    attention_mask_bt,
-    temperature,
-    use_lora=True,
-    first_scored=1,
-    packed=None,
-):
-    """[B, T] float32 logprobs of `input_ids_bt` under the model (temperature-scaled), through
-    `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the columns
-    before `first_scored` (no logits computed there); use_lora=False skips the LoRA adapters
-    (the base model). `packed` = (positions, segment_ids, scored) of packed rows: the
-    [R, H] logprobs of their scored slots instead."""
-    model = nnx.merge(graphdef, params)
-    return model.token_logprobs(
-        input_ids_bt,
-        attention_mask_bt,
-        temperature,
-        use_lora=use_lora,
-        first_scored=first_scored,
-        packed=packed,
-    )
-
-
-def policy_logprobs_routed(
-    graphdef, params, input_ids_bt, attention_mask_bt, temperature, first_scored=1, packed=None
-):
-    """`sequence_logprobs` of the policy -> (logprobs, MoEOutput, MoESpec) of an MoE model's
-    forward (the router stats of the aux losses), (logprobs, None, None) of a dense one."""
-    model = nnx.merge(graphdef, params)
-    kwargs = dict(first_scored=first_scored, packed=packed)
-    if not isinstance(model, MoETransformer):
-        return (
-            model.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs),
-            None,
-            None,
-        )
-    lp, routed = model.token_logprobs_routed(input_ids_bt, attention_mask_bt, temperature, **kwargs)
-    return lp, routed, model.cfg.moe
-
-
-def frozen_logprobs(
-    name,
-    graphdef,
-    params,
-    batch,
-    temperature,
-    num_chunks,
-    use_lora=True,
-    first_scored=1,
-    layout=None,
-):
-    """A no-gradient forward over the whole batch (anything with input_ids, attention_mask and
-    token_mask) in `num_chunks` chunks (bounded memory) -> [B, T]; with a packed `layout`,
-    over its packed rows, read back to the batch's rows (0 off token_mask)."""
-    packed = layout is not None
-    inputs = layout.tokens() if packed else (batch.input_ids, batch.attention_mask)
-
-    def forward(_, mb):
-        ids, mask, where = (mb[0], None, mb[1:]) if packed else (*mb, None)
-        lp = sequence_logprobs(
-            graphdef, params, ids, mask, temperature, use_lora, first_scored, where
-        )
-        return None, lp
-
-    with jax.named_scope(f"forward_{name}"):
-        _, lp_k = scan_chunks(forward, None, chunk_rows(inputs, num_chunks))
-    lp = unchunk_rows(lp_k)
-    if packed:
-        lp = packing.unpack_logprobs(lp, layout.row, layout.slot, batch.token_mask)
-    return jax.lax.stop_gradient(lp)
 
 
 def reduce_minibatch_metrics(stacked: dict) -> dict:
@@ -356,6 +277,19 @@ def prepare_batch(
             f"{type(batch).__name__}"
         )
     batch, layout = (batch.rows, batch.layout) if flags.sequence_packing else (batch, None)
+    if flags.objective == "sft":  # teacher forcing: no frozen forward, no advantages
+        zeros_bt = jnp.zeros_like(batch.token_mask)
+        data = ScoredBatch(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            token_mask=batch.token_mask,
+            generation_logprobs=zeros_bt,
+            sample_mask=batch.sample_mask,
+            advantages=zeros_bt,
+            layout=layout,
+        )
+        return data, {}
+    replay.check_batch(batch, flags.record_routing)
     temp, chunks = hparams.temperature, flags.num_microbatches * flags.num_minibatches
     metrics = {"logprob/num_masked_seqs_by_logprob_error": jnp.zeros((), jnp.float32)}
     forward = functools.partial(
@@ -373,7 +307,7 @@ def prepare_batch(
         ref, use_lora = (state.params, False) if flags.lora else (ref_params, True)
         ref_bt = forward("ref", params=ref, use_lora=use_lora)
     if flags.compute_prev_logprobs:
-        prev_bt = forward("prev", params=state.params)
+        prev_bt = forward("prev", params=state.params, replay_ids=flags.router_replay)
     sample_mask_b = batch.sample_mask
     if flags.use_logprob_error_threshold:
         mask_bt = batch.token_mask * batch.sample_mask[:, None]
@@ -418,6 +352,7 @@ def prepare_batch(
         prev_logprobs=prev_bt,
         reference_logprobs=ref_bt,
         layout=layout,
+        expert_ids=batch.expert_ids,
     )
     return data, metrics
 
@@ -433,8 +368,21 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     m_bt = data.token_mask * data.sample_mask[:, None]
     n_tok, n_seq = jnp.sum(m_bt), jnp.sum(data.sample_mask)
     policy_logprobs = functools.partial(
-        policy_logprobs_routed, graphdef, temperature=hparams.temperature
+        policy_logprobs_routed,
+        graphdef,
+        temperature=hparams.temperature,
+        replay_ids=flags.router_replay,
     )
+
+    def objective(lp_bt, inputs):
+        if flags.objective == "sft":
+            return losses.sft_loss(lp_bt, inputs["token_mask"], inputs["sample_mask"], n_tok)
+        return losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq)
+
+    if flags.record_routing:  # moe/routing_mismatch over the minibatch's recorded tokens
+        recorded_bt = replay.recorded_tokens(data.token_mask, data.expert_ids)
+        n_rec = jnp.sum(recorded_bt)
+
     router_losses = functools.partial(
         losses.add_router_losses,
         aux_coef=hparams.router_aux_loss_coef,
@@ -446,10 +394,17 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         with jax.named_scope("forward_policy"):
             full = with_frozen(params, frozen)
             lp_bt, routed, spec = policy_logprobs(
-                full, mb.input_ids, mb.attention_mask, first_scored=flags.first_scored
+                full,
+                mb.input_ids,
+                mb.attention_mask,
+                first_scored=flags.first_scored,
+                expert_ids=mb.expert_ids,
             )
-        loss = losses.policy_loss(lp_bt, mb.loss_inputs(), loss_cfg, n_tok, n_seq)
-        return router_losses(*loss, routed, spec)
+        out = router_losses(*objective(lp_bt, mb.loss_inputs()), routed, spec)
+        if flags.record_routing:
+            mine_bt = replay.recorded_tokens(mb.token_mask, mb.expert_ids)
+            out = replay.with_mismatch(out, routed.mismatch, mine_bt, n_rec, spec)
+        return out
 
     if data.layout is None:
         return rows_loss, chunk_rows(data, flags.num_microbatches)
@@ -458,21 +413,26 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
     )
 
     def packed_loss(params, xs):
-        (ids_rw, *packed), k = xs
+        ((ids_rw, *packed), experts_rwlk), k = xs
         with jax.named_scope("forward_policy"):
             lp_rh, routed, spec = policy_logprobs(
-                with_frozen(params, frozen), ids_rw, None, packed=packed
+                with_frozen(params, frozen), ids_rw, None, packed=packed, expert_ids=experts_rwlk
             )
         in_b = k_b == k  # the rows this chunk holds
         tm_bt = data.token_mask * in_b[:, None]
-        lp_bt = packing.unpack_logprobs(lp_rh, jnp.where(in_b, local_b, 0), data.layout.slot, tm_bt)
+        rows_b = jnp.where(in_b, local_b, 0)
+        lp_bt = packing.unpack_logprobs(lp_rh, rows_b, data.layout.slot, tm_bt)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        return router_losses(
-            *losses.policy_loss(lp_bt, inputs, loss_cfg, n_tok, n_seq), routed, spec
-        )
+        out = router_losses(*objective(lp_bt, inputs), routed, spec)
+        if flags.record_routing:
+            where = (packed[2], rows_b, data.layout.slot, tm_bt)
+            mismatch_bt = replay.packed_mismatch(routed.mismatch, *where)
+            out = replay.with_mismatch(out, mismatch_bt, recorded_bt * in_b[:, None], n_rec, spec)
+        return out
 
     chunks = jnp.arange(flags.num_microbatches, dtype=jnp.int32)
-    return packed_loss, (chunk_rows(data.layout.tokens(), flags.num_microbatches), chunks)
+    tokens = (data.layout.tokens(), data.layout.expert_ids)
+    return packed_loss, (chunk_rows(tokens, flags.num_microbatches), chunks)
 
 
 def accumulate_gradients(
@@ -518,7 +478,9 @@ def optimizer_update(
         grad_shardings=grad_shardings,
     )
     grad_norm = optax.tree.norm(grads)
-    schedule = make_schedule(flags.schedule, flags.warmup_steps, flags.total_updates)
+    schedule = make_schedule(
+        flags.schedule, flags.warmup_steps, flags.total_updates, flags.min_lr_ratio
+    )
     opt_state = set_hyperparams(state.opt_state, hparams.optimizer)
     updates, opt_state = tx.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

@@ -147,12 +147,15 @@ class StepSetup:
         rows = self.cfg.grpo.batch_size if rows is None else rows
         ro = self.cfg.rollout
         tokens = ro.prompt_bucket + ro.max_new_tokens if tokens is None else tokens
+        routing = None  # recorded expert ids [.., l_moe, k] (flags.record_routing)
+        if self.flags.record_routing:
+            routing = (self.model_cfg.moe.num_sparse, self.model_cfg.moe.top_k)
         if self.pack_spec is None:
-            return TrainBatch.abstract(rows, tokens, self.mesh)
+            return TrainBatch.abstract(rows, tokens, self.mesh, routing)
         width = self.pack_spec.width or tokens
         packed_rows = rows if packed_rows is None else packed_rows
         h = self.pack_spec.scored_width
-        return packing.PackedBatch.abstract(rows, tokens, packed_rows, width, h, self.mesh)
+        return packing.PackedBatch.abstract(rows, tokens, packed_rows, width, h, self.mesh, routing)
 
     def device_batch(self, batch: TrainBatch):
         """This process's host rows -> the step's input on the mesh: checked
@@ -198,16 +201,22 @@ def place_frozen_model(model: nnx.Module, mesh, rules) -> tuple[Any, Any]:
 
 
 def build_step(
-    cfg: Config, model: nnx.Module, *, mesh=None, trainable=None, teacher=None
+    cfg: Config,
+    model: nnx.Module,
+    *,
+    mesh=None,
+    trainable=None,
+    objective="grpo",
+    teacher=None,
 ) -> StepSetup:
     """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
 
     `mesh` defaults to `sharding.make_mesh(cfg.mesh)` over every device. `trainable` is an nnx
     filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
     the others become `frozen` (placed with their shardings, in their stored dtype). None =
-    everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`). `teacher`: the
-    distillation teacher (concrete or abstract, as `model`), required iff distillation.teacher
-    is set."""
+    everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`). `objective`:
+    the step's loss (`StepFlags.objective`; "sft" for `jgrpo.sft`). `teacher`: the distillation
+    teacher (concrete or abstract, as `model`), required iff distillation.teacher is set."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     rules = sharding.make_rules(cfg.mesh)
@@ -238,7 +247,7 @@ def build_step(
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
     shardings = TrainState(p_shard, opt_state_shardings(tx, params_abstract, p_shard, rep), rep)
-    flags = StepFlags.from_config(cfg)
+    flags = StepFlags.from_config(cfg, objective, moe_model=isinstance(model, MoETransformer))
     if flags.distill != (teacher is not None):
         raise ValueError("build_step: distillation.teacher and the teacher model disagree")
     if teacher is not None:

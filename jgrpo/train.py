@@ -38,6 +38,7 @@ from jgrpo.files import write_atomic
 from jgrpo.metrics import MetricsLogger, NullLogger, read_metrics
 from jgrpo.models import load_policy, policy_folder
 from jgrpo.models.adapters import join_lora, merge_lora
+from jgrpo.models.preflight import check_lora_targets
 from jgrpo.models.reward_model import load_reward_models
 from jgrpo.models.sources import check_model_path
 from jgrpo.plots import plot_run
@@ -85,7 +86,8 @@ class Trainer:
 def check_run(cfg: Config) -> None:
     """Cheap checks that need no model: paths, data, mesh and batch divisibility."""
     length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
-    check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
+    hf = check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
+    check_lora_targets(hf, cfg.model.lora)
     distillation.check_teacher(cfg)  # its tokenizer against the policy's, before any weights
     sharding.make_rules(cfg.mesh)
     step_setup.check_batch_split(cfg, jax.device_count())
@@ -502,17 +504,25 @@ def save_final(t: Trainer, out: Path) -> Path:
     """Write the current policy as an HF folder (config.json, safetensors, tokenizer files,
     generation_config.json) that transformers and `jgrpo.models.from_pretrained` load; the
     folder is replaced atomically. On a pod only process 0 writes it."""
+    return save_policy(t.setup, t.state.params, out)
+
+
+def save_policy(setup: step_setup.StepSetup, params, out: Path) -> Path:
+    """`save_final` of any run built by `step_setup.build_step` (`jgrpo train`, `jgrpo sft`):
+    the trainable `params` joined with `setup.frozen`, LoRA merged, as an HF folder."""
     from jgrpo.files import atomic_folder
     from jgrpo.models.hf import save_pretrained
 
-    local = None
+    view = lambda tree: tree  # noqa: E731
     if distributed.is_multiprocess():  # process 0 writes from its host's replica (no gather)
         if not distributed.is_primary():
             return out
-        local = lambda tree: sharding.host_local(tree, sharding.host_mesh(t.setup.mesh))  # noqa: E731
-    folder = policy_folder(t.cfg.model)
+        view = lambda tree: sharding.host_local(tree, sharding.host_mesh(setup.mesh))  # noqa: E731
+    frozen = None if setup.frozen is None else view(setup.frozen)
+    model = merge_lora(join_lora(setup.graphdef, view(params), frozen))
+    folder = policy_folder(setup.cfg.model)
     with atomic_folder(out, overwrite=True) as tmp:
-        save_pretrained(policy_model(t, local), tmp, source=folder)
+        save_pretrained(model, tmp, source=folder)
     return out
 
 

@@ -293,3 +293,117 @@ def lora_keys(peft_config: Any) -> dict[str, Any]:
     ordered = [t for t in every if t in targets] + sorted(set(targets) - set(every))
     keys["model.lora.target_modules"] = ordered
     return keys
+
+
+# ----------------------------------------------------------------------------- SFT
+
+_SFT_DIRECT = {
+    "learning_rate": "optim.learning_rate",
+    "weight_decay": "optim.weight_decay",
+    "adam_beta1": "optim.b1",
+    "adam_beta2": "optim.b2",
+    "adam_epsilon": "optim.eps",
+    "warmup_steps": "optim.warmup_steps",
+    "seed": "sft.seed",
+    "max_length": "sft.max_seq_length",
+    "max_steps": "sft.max_num_steps",
+    "packing": "sft.sequence_packing",
+    "save_steps": "checkpoint.save_period",
+    "eval_steps": "sft.val_period",
+    "save_total_limit": "checkpoint.keep_last",
+}
+"""TRL SFTConfig names whose value is jgrpo's key's value as is."""
+_SFT_OTHER = (
+    "output_dir",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "max_grad_norm",
+    "bf16",
+    "gradient_checkpointing",
+    "report_to",
+    "eval_strategy",
+    "assistant_only_loss",
+    "completion_only_loss",
+)
+SFT_SUPPORTED = (*_SFT_DIRECT, *_SFT_OTHER)
+"""Every TRL argument name SFTConfig accepts."""
+_SFT_UNSUPPORTED = {
+    "num_train_epochs": "jgrpo counts steps: give max_steps",
+    "dataset_text_field": "jgrpo trains on messages or prompt/completion records (docs/sft.md)",
+    "fp16": "jgrpo computes in float32 or bfloat16 (bf16=True)",
+    "padding_free": "give packing=True (jgrpo packs rows without padding between them)",
+    "loss_type": "jgrpo's SFT loss is the token-mean NLL (TRL's default 'nll')",
+}
+
+
+class SFTConfig:
+    """TRL-named SFT arguments for `jgrpo.SFTTrainer` (docs/sft.md has the table); read back
+    any given one as an attribute (None when not given). An argument left out keeps jgrpo's
+    value, never TRL's default."""
+
+    def __init__(self, **kwargs: Any):
+        for name in kwargs:
+            if name in _SFT_UNSUPPORTED:
+                raise ConfigError(f"SFTConfig: {name} is not supported: {_SFT_UNSUPPORTED[name]}")
+            if name not in SFT_SUPPORTED:
+                raise ConfigError(
+                    f"SFTConfig: {name} is not a TRL argument jgrpo supports (docs/sft.md lists "
+                    "those it maps; give jgrpo keys as SFTTrainer(overrides=[...]))"
+                )
+        object.__setattr__(self, "given", dict(kwargs))
+        sft_keys(self)  # every value error now, where the user wrote it
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SFT_SUPPORTED:
+            return self.__dict__["given"].get(name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        return f"SFTConfig({', '.join(f'{k}={v!r}' for k, v in self.given.items())})"
+
+
+def sft_keys(args: SFTConfig) -> dict[str, Any]:
+    """{dotted jgrpo key: value} of the given SFT arguments (TRL's batch arithmetic: a step is
+    per_device_train_batch_size x gradient_accumulation_steps records on all devices)."""
+    given = args.given
+
+    def fail(name: str, why: str, value: Any = None) -> None:
+        raise ConfigError(f"SFTConfig.{name}: {given.get(name, value)!r} {why}")
+
+    keys = {key: given[name] for name, key in _SFT_DIRECT.items() if name in given}
+    if "per_device_train_batch_size" in given or "gradient_accumulation_steps" in given:
+        per_step = given.get("per_device_train_batch_size", 8)
+        accumulate = given.get("gradient_accumulation_steps", 1)
+        for name, value in (
+            ("per_device_train_batch_size", per_step),
+            ("gradient_accumulation_steps", accumulate),
+        ):
+            if not isinstance(value, int) or value < 1:
+                fail(name, "must be a positive integer", value)
+        keys |= {"sft.batch_size": per_step * accumulate, "sft.num_microbatches": accumulate}
+    for name in ("assistant_only_loss", "completion_only_loss"):
+        if given.get(name) is False:
+            fail(name, "is not supported: jgrpo trains on the assistant (completion) tokens only")
+    if given.get("eval_strategy") not in (None, "no", "steps"):
+        fail("eval_strategy", "must be 'no' or 'steps' (jgrpo counts steps, no epochs)")
+    if given.get("eval_strategy") == "no":
+        keys |= {"sft.val_period": 0, "sft.val_at_end": False}
+    if "lr_scheduler_type" in given:
+        if given["lr_scheduler_type"] not in _SCHEDULES:
+            fail("lr_scheduler_type", f"must be one of {list(_SCHEDULES)}")
+        keys["optim.schedule"] = _SCHEDULES[given["lr_scheduler_type"]]
+    if "max_grad_norm" in given:
+        norm = given["max_grad_norm"]
+        keys["optim.max_grad_norm"] = None if norm in (0, None) else norm
+    if "bf16" in given:
+        keys["model.compute_dtype"] = "bfloat16" if given["bf16"] else "float32"
+    if "gradient_checkpointing" in given:
+        keys["model.remat"] = "full" if given["gradient_checkpointing"] else "none"
+    if "report_to" in given:
+        names = [given["report_to"]] if isinstance(given["report_to"], str) else given["report_to"]
+        names = [] if list(names or []) == ["none"] else list(names or [])
+        if set(names) - {"tensorboard", "wandb"}:
+            fail("report_to", "may name tensorboard, wandb or none")
+        keys |= {"logging.tensorboard": "tensorboard" in names, "logging.wandb": "wandb" in names}
+    return keys

@@ -104,3 +104,39 @@ def test_reward_model_bench_smoke_prints_each_variant(tmp_path):
     assert set(rows) == {"local", "local RM"}, out.stdout
     assert float(rows["local"][-1]) == 0.0 < float(rows["local RM"][-1])  # reward model ms
     assert all(float(v) > 0 for v in rows["local RM"])
+
+
+@pytest.mark.heavy  # ~14 s of CPU (torch + transformers loads); the tool checks it at each run
+def test_peer_bench_folders_make_every_logit_the_target_in_jgrpo(tmp_path):
+    """tools/bench_peers.py's crafted folders: constant embedding rows make the last hidden
+    state the same at every position, so the untied LM head it solves for gives the target
+    logits (0, the EOS at log(p (V-1) / (1-p)) or -30) in jgrpo's own forward too, at every
+    position of any prompt, not only in the transformers forward it was solved in."""
+    import math
+
+    import numpy as np
+
+    from jgrpo.models import from_pretrained
+    from jgrpo.models.tiny import build_tiny_model
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    source = build_tiny_model(tmp_path / "src", num_hidden_layers=1, hidden_size=32)
+    ids = np.random.RandomState(1).randint(3, 256, (3, 19)).astype(np.int32)
+    for workload in ("skewed", "uniform"):
+        crafted = bench_peers.craft_folder(source, tmp_path / workload, workload)
+        model = from_pretrained(tmp_path / workload)
+        logits = np.asarray(model(ids), np.float64)
+        vocab = logits.shape[-1]
+        p = bench_peers.STOP_PROBABILITY
+        eos_logit = math.log(p * (vocab - 1) / (1 - p)) if workload == "skewed" else -30.0
+        assert crafted["eos_logit"] == pytest.approx(eos_logit)
+        config = json.loads((tmp_path / workload / "config.json").read_text())
+        eos, never = crafted["eos"], [config["pad_token_id"], config["bos_token_id"]]
+        assert eos not in never and not config["tie_word_embeddings"]
+        np.testing.assert_allclose(logits[..., eos], eos_logit, atol=1e-4)
+        np.testing.assert_allclose(logits[..., never], -30.0, atol=1e-4)  # never drawn
+        np.testing.assert_allclose(np.delete(logits, [eos, *never], axis=-1), 0.0, atol=1e-4)

@@ -1,6 +1,6 @@
-"""`make demo-tools` at toy size: the shipped config, the warm start's tool-call traces (what SFT
-trains on: the ideal conversation, loss on the assistant ids only), then 2 GRPO steps through
-the same config in which the warm-started model calls the calculator."""
+"""`make demo-tools` at toy size: the shipped config, the warm start's tool-call traces (what
+`jgrpo sft` trains on: the ideal conversation, loss on the assistant ids only), then 2 GRPO
+steps through the same config in which the warm-started model calls the calculator."""
 
 import json
 from pathlib import Path
@@ -31,6 +31,7 @@ def test_shipped_config_is_the_normal_multi_turn_path():
 def test_traces_fit_the_budget_and_train_the_assistant_ids_only(warm_start, tmp_path):
     from jgrpo.models.tiny import build_tiny_model
     from jgrpo.rollout import load_tokenizer
+    from jgrpo.sft_data import Encoder
     from jgrpo.tasks import make_task
 
     cfg = load_config(CONFIG)
@@ -38,8 +39,15 @@ def test_traces_fit_the_budget_and_train_the_assistant_ids_only(warm_start, tmp_
     task = make_task(cfg.data, 1)
     try:
         example = {"task": "calculator", "question": "999*999", "answer": "998001", "id": "x"}
-        ids, mask = warm_start.chat_traces(task, [example], tokenizer)[0]
-        direct_ids, direct_mask = warm_start.chat_traces(task, [example], tokenizer, [True])[0]
+        # the warm start's records, laid out by `jgrpo sft` (jgrpo.sft_data) as a rollout
+        encoder = Encoder(tokenizer, cfg, task.tool_runner.schemas)
+        (ids, mask), (direct_ids, direct_mask) = [
+            encoder.record({"messages": messages}, "record")
+            for messages in (
+                task.prompt_messages(example) + warm_start.assistant_turns(task, example, d)
+                for d in (False, True)
+            )
+        ]
         prompt = task.format_prompt(example, tokenizer, tools=task.tool_runner.schemas)
     finally:
         task.close()

@@ -13,7 +13,7 @@ from conftest import xla_flags
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy  # make test: test_gpu_check_roofline_and_targets_by_hand
 def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     # one CPU device, as on a one-GPU machine (not the suite's 8 fake ones)
@@ -28,8 +28,10 @@ def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["platform"] == "cpu" and report["peak_bf16_flops"] is None
+    assert report["hbm_bytes_per_s"] is None
+    assert "xla_gpu" not in report["xla_flags"]  # the GPU flags stay off on CPU
     # the recipe check: configs/tiny.yaml's step at its shape against inspect-step's estimate
-    recipe = report["recipe"]
+    recipe = report["recipes"]["tiny"]
     assert recipe["config"] == "configs/tiny.yaml" and (recipe["rows"], recipe["tokens"]) == (
         16,
         24,
@@ -37,15 +39,67 @@ def test_gpu_check_tiny_runs_on_cpu(tmp_path):
     assert recipe["step_s"] > 0 and recipe["mfu"] is None and math.isfinite(recipe["loss"])
     assert recipe["estimate_peak_bytes"] > recipe["estimate_temp_bytes"] > 0
     assert recipe["peak_memory_bytes"] is None and recipe["memory_vs_estimate"] is None
-    tiny = report["shapes"]["tiny"]
-    assert tiny["sampler_tokens_per_s"] > 0
-    for variant in ("on_policy", "off_policy"):
-        r = tiny[variant]
-        assert r["step_s"] > 0 and r["mfu"] is None and math.isfinite(r["loss"])
-        # the trainer's bf16 logprobs of the sampled tokens agree with the sampler's
-        assert 1.0 <= r["token_mult_prob_error"] < 1.05
-    # the prev forward is an extra forward: off-policy model flops exceed on-policy ones
-    assert tiny["off_policy"]["model_flops"] > tiny["on_policy"]["model_flops"]
+    # the whole GRPO step: the recipe's rollout (16 rows x 8 new tokens) + its train step
+    gen = recipe["generate"]
+    assert (gen["rows"], gen["new_tokens"]) == (16, 8) and gen["tokens_per_s"] > 0
+    assert recipe["grpo_step_s"] == pytest.approx(gen["seconds"] + recipe["step_s"])
+    # the trainer's bf16 logprobs of the sampled tokens agree with the sampler's
+    assert 1.0 <= recipe["token_mult_prob_error"] < 1.05
+    decode = recipe["decode"]
+    assert decode["rows"] == 8 and decode["tokens_per_s"] > 0 and decode["step_bytes"] > 0
+    assert decode["roofline_tokens_per_s"] is None and decode["roofline_fraction"] is None
+    assert set(report["checks"]) == set(gpu_check_module().TARGETS)
+    assert all(c["ok"] is None for c in report["checks"].values())  # not an H200
+
+
+def gpu_check_module():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    return gpu_check
+
+
+def test_gpu_check_roofline_and_targets_by_hand():
+    """The decode roofline and the target checks against hand values: Qwen2.5-0.5B's shape,
+    256 rows of 64 + 512 tokens on an H200 (4.8 TB/s); a report that meets every target on an
+    H200, misses them, and is on another chip."""
+    from jgrpo.models import TransformerConfig
+
+    g = gpu_check_module()
+    cfg = TransformerConfig(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="bfloat16",
+    )
+    # 494,032,768 bf16 weights; KV: 256 rows x (64 + 256) slots x 24 layers x 2 x 2 x 64 x 2 B
+    step_bytes = g.decode_step_bytes(cfg, 494_032_768, 256, 64, 512)
+    assert step_bytes == 2 * 494_032_768 + 256 * 320 * 24 * 2 * 2 * 64 * 2
+    assert g.roofline_tokens_per_s(step_bytes, 256, 4.8e12) == pytest.approx(
+        256 * 4.8e12 / 1_994_698_496
+    )
+    assert g.roofline_tokens_per_s(step_bytes, 256, None) is None
+    good = {
+        "qwen2.5-0.5b": {"decode": {"tokens_per_s": 130_000.0}},
+        "qwen2.5-1.5b": {"decode": {"tokens_per_s": 61_000.0}, "mfu": 0.36, "grpo_step_s": 19.0},
+    }
+    bad = {
+        "qwen2.5-0.5b": {"decode": {"tokens_per_s": 119_000.0}},
+        "qwen2.5-1.5b": {"decode": {"tokens_per_s": 59_000.0}, "mfu": 0.34, "grpo_step_s": 21.0},
+    }
+    assert all(c["ok"] is True for c in g.check_targets(good, "H200").values())
+    assert all(c["ok"] is False for c in g.check_targets(bad, "H200").values())
+    assert all(c["ok"] is None for c in g.check_targets(good, "H100").values())
+    assert g.check_targets({}, "H200")["1.5b_train_mfu"] == {
+        "value": None,
+        "target": ">= 0.35 on one H200",
+        "ok": None,
+    }
 
 
 def test_gpu_check_compares_memory_and_builds_recipe_batches():

@@ -88,6 +88,8 @@ def build_lab(lab: Path) -> None:
     (damaged("cfg_binary") / "config.json").write_bytes(b"\xff\xfe\x00garbage")
     _edit_config(damaged("cfg_no_vocab"), vocab_size=None)
     _edit_config(damaged("cfg_heads"), num_key_value_heads=3)
+    _edit_config(damaged("gpt2_no_weights"), model_type="gpt2")  # the family is named first
+    (models / "gpt2_no_weights" / "model.safetensors").unlink()
     weights = good / "model.safetensors"
     data = weights.read_bytes()
     (damaged("st_truncated") / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -249,6 +251,7 @@ CASES = [
     ("model-config-binary", [*T, M + "cfg_binary"], "not UTF-8", True),
     ("model-config-no-vocab", [*T, M + "cfg_no_vocab"], "vocab_size", True),
     ("model-config-heads", [*T, M + "cfg_heads"], "num_key_value_heads", True),
+    ("model-type-first", [*T, M + "gpt2_no_weights"], "'gpt2' is not supported", True),
     ("model-st-truncated", [*T, M + "st_truncated"], "is truncated", True),
     ("model-st-garbage", [*T, M + "st_garbage"], "model.safetensors", True),
     ("model-st-3-bytes", [*T, M + "st_three_bytes"], "is truncated", True),

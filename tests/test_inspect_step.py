@@ -157,8 +157,9 @@ def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
     for mb, report in reports.items():
         assert 0 < report["temp_bytes_per_device"] <= temp_bytes_bound(report, mb)
         assert report["temp_bytes_per_device"] < report["peak_bytes_per_device_estimate"]
-    # the sampler's bf16 KV cache: rows x slots x (k and v) x layers x kv heads x head dim x 2
-    assert one["kv_cache_bytes"] == 16 * 64 * 2 * 30 * 3 * 64 * 2
+    # the sampler's bf16 KV cache: rows x slots x (k and v) x layers x kv heads x head dim x 2,
+    # rows = 16 and the 8 of the first narrowing (rollout.compact_decode)
+    assert one["kv_cache_bytes"] == (16 + 8) * 64 * 2 * 30 * 3 * 64 * 2
     assert one["kv_cache_bytes_per_device"] == one["kv_cache_bytes"] // 8
     assert math.isfinite(one["flops"]) and one["flops"] > 0
 
@@ -263,12 +264,15 @@ def test_qwen25_1_5b_shape_pure_bf16_fits_4_gib_of_temporaries_per_device(tmp_pa
 def test_kv_cache_bytes_with_decode_slots():
     """The sampler's KV cache by hand for the tiny config (float32, 2 layers, 2 kv heads of 16,
     4 x 4 rows, prompt bucket 16, 8 new tokens: 16 + 8 - 1 slots rounded up to 32): every row,
-    or rollout.decode_slots rows and the staged prompt's."""
+    or rollout.decode_slots rows and the staged prompt's; with rollout.compact_decode (the
+    default) also the half of them the first narrowing gathers while the wider cache is live."""
     per_row = 32 * 2 * 2 * 2 * 16 * 4  # slots x (k, v) x layers x kv heads x head dim x bytes
-    rows = inspect_step(load_config(TINY, []), compile=False)
-    slots = inspect_step(load_config(TINY, ["rollout.decode_slots=4"]), compile=False)
-    assert rows["kv_cache_bytes"] == 16 * per_row
-    assert slots["kv_cache_bytes"] == (4 + 1) * per_row
+    for compact, narrowed in (("true", 1), ("false", 0)):
+        compact = f"rollout.compact_decode={compact}"
+        rows = inspect_step(load_config(TINY, [compact]), compile=False)
+        slots = inspect_step(load_config(TINY, [compact, "rollout.decode_slots=4"]), compile=False)
+        assert rows["kv_cache_bytes"] == (16 + 8 * narrowed) * per_row
+        assert slots["kv_cache_bytes"] == (4 + 1 + 2 * narrowed) * per_row
 
 
 def test_packing_report_counts_tokens_by_hand():

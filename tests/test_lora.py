@@ -223,6 +223,8 @@ def test_ray_ships_the_base_once_and_adapters_each_step(tmp_path, ray_cluster):
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]
 LORA8 = ["model.lora.rank=8", "loss.reference_policy_kl_penalty=0.05"]
+UNPACKED = "grpo.sequence_packing=false"
+"""The padded-row step, for tests that hand the step a TrainBatch (packing: test_packing.py)."""
 
 
 def run_steps(t, num_steps):
@@ -340,7 +342,7 @@ def test_reference_logprobs_are_the_base_logprobs_exactly(rollout_batch):
     from jgrpo.config import load_config
     from jgrpo.models import load_policy
 
-    cfg = load_config(TINY, [*LORA8, "mesh.data=1", ROLLOUT_BATCH_BUCKET])
+    cfg = load_config(TINY, [*LORA8, "mesh.data=1", ROLLOUT_BATCH_BUCKET, UNPACKED])
     base = load_policy(cfg.model, adapters=False)
     model = attach_lora(base, LoRASpec(rank=8, alpha=16.0, target_modules=ALL), jax.random.key(0))
     randomize_adapters(model, std=0.3)
@@ -468,6 +470,7 @@ def lora_step_on(mesh_shape, overrides):
         "model.lora.rank=8",
         "loss.reference_policy_kl_penalty=0.1",
         ROLLOUT_BATCH_BUCKET,
+        UNPACKED,
     ]
     cfg = load_config(None, base + list(overrides))
     data, fsdp, tensor = mesh_shape

@@ -54,9 +54,13 @@ def lengths_batch(prompts, completions, width, holes=()):
     )
 
 
-def spec(width=None, scored=8, minibatches=1, quantum=1):
+def spec(width=None, scored=8, minibatches=1, quantum=1, microbatches=1):
     return packing.PackSpec(
-        width=width, scored_width=scored, num_minibatches=minibatches, row_quantum=quantum
+        width=width,
+        scored_width=scored,
+        num_minibatches=minibatches,
+        row_quantum=quantum * microbatches,
+        num_microbatches=microbatches,
     )
 
 
@@ -107,6 +111,16 @@ def test_minibatches_pack_their_own_rows_and_counts_are_bucketed():
         lengths_batch(prompts, completions, 10), spec(minibatches=2, quantum=2)
     )
     assert out.layout.input_ids.shape[0] == 2 * 6  # 5 -> 3 quanta of 2 rows
+    # two microbatches each: minibatch 0's microbatch 0 (rows 0, 4, 8: 10, 3, 10 tokens) and
+    # microbatch 1 (rows 2, 6, 10: 3, 10, 10) need 3 packed rows each (minibatch 1's: 2);
+    # every row's packed row is in the row's minibatch and microbatch (the unpacked split)
+    out = packing.pack_batch(
+        lengths_batch(prompts, completions, 10), spec(minibatches=2, microbatches=2)
+    )
+    row = out.layout.row
+    np.testing.assert_array_equal(row % 2, np.arange(12) % 2)
+    np.testing.assert_array_equal((row // 2) % 2, (np.arange(12) // 2) % 2)
+    assert out.layout.input_ids.shape[0] == 2 * 2 * 3
     assert packing.row_buckets(128) == (
         *range(1, 9),
         10,
@@ -156,7 +170,7 @@ def test_packing_config_keys_are_checked():
     cfg = load_config(None, ["grpo.sequence_packing=true", "grpo.packing_budget=300"])
     assert cfg.grpo.packing_budget == 300
     with pytest.raises(ConfigError, match="grpo.packing_budget: set, but grpo.sequence_packing"):
-        load_config(None, ["grpo.packing_budget=300"])
+        load_config(None, ["grpo.sequence_packing=false", "grpo.packing_budget=300"])
     with pytest.raises(ConfigError, match=r"grpo.packing_budget: must lie in \[.* = 288"):
         load_config(None, ["grpo.sequence_packing=true", "grpo.packing_budget=100"])
 
@@ -457,7 +471,7 @@ def test_a_packed_run_logs_the_unpacked_runs_metrics(tmp_path, monkeypatch):
     ]
     rows = {}
     for packed in (False, True):
-        extra = ["grpo.sequence_packing=true", "grpo.packing_budget=48"] if packed else []
+        extra = ["grpo.packing_budget=48"] if packed else ["grpo.sequence_packing=false"]
         cfg = load_config(tiny, [*quiet, "grpo.max_num_steps=2", *extra])
         train.run(cfg, tmp_path / f"packed_{packed}")
         rows[packed] = read_metrics(tmp_path / f"packed_{packed}")

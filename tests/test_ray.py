@@ -84,7 +84,19 @@ def local_results(folder, versions):
     `first_prompt` set) and joined. Same programs at the same shapes: the logprobs agree bit
     for bit (XLA may round a batch of 4 rows differently from a batch of 8); the tokens also
     equal the unsplit local backend's (per-row draws)."""
-    cfg = make_cfg(folder)
+    return sample_in_parts(make_cfg(folder), folder, versions)
+
+
+@pytest.fixture(scope="module")
+def per_row_results(folder, versions):
+    """local_results with every row prefilled and decoded at full width (the sampler without
+    rollout.shared_prefill and rollout.compact_decode, the defaults before issue 35)."""
+    off = ("rollout.shared_prefill=false", "rollout.compact_decode=false")
+    return sample_in_parts(make_cfg(folder, *off), folder, versions)
+
+
+def sample_in_parts(cfg, folder, versions):
+    """(train results of steps 0..2, one evaluation) of `cfg`, sampled as local_results says."""
     engine, graphdef = build_engine(cfg, folder)
     local = make_backend(cfg, engine, graphdef, folder)
 
@@ -137,7 +149,7 @@ def test_sync_matches_local_backend(folder, versions, local_results):
     try:
         for step, examples in enumerate(examples_for(cfg, 3)):
             metrics = backend.publish(versions[step], step)
-            assert metrics["rollout/weight_sync_s"] >= 0 and metrics["rollout/weight_mb"] > 0
+            assert metrics["perf/weight_sync_s"] >= 0 and metrics["rollout/weight_mb"] > 0
             backend.request(step, examples)
             got = backend.collect(step)
             assert_same_rows(got, want[step])
@@ -190,16 +202,17 @@ def test_workers_score_with_the_reward_model_as_the_local_backend_does(folder, v
 
 @pytest.mark.heavy  # in make test: test_sampling's shared-prefill and decode-slot tests
 @pytest.mark.parametrize(
-    "slots", [(), ("rollout.decode_slots=3",), ("rollout.compact_decode=true",)]
+    "slots", [("rollout.compact_decode=false",), ("rollout.decode_slots=3",), ()]
 )
 def test_shared_prefill_matches_per_row_prefill_locally_and_on_workers(
-    folder, versions, local_results, monkeypatch, slots
+    folder, versions, per_row_results, monkeypatch, slots
 ):
-    """rollout.shared_prefill: the engine gives the sampler its groups of G rows (local
-    backend; Ray workers run the same engine) and the rows are those without sharing; also
-    with rollout.decode_slots below a worker's rows (a prompt's rows enter in parts) and with
+    """rollout.shared_prefill (the default): the engine gives the sampler its groups of G rows
+    (local backend; Ray workers run the same engine) and the rows are those of per-row prefill
+    at full width; without compaction, with rollout.decode_slots below a worker's rows (a
+    prompt's rows enter in parts; the slots' tail compacts) and with the default
     rollout.compact_decode (the batch narrows as rows stop)."""
-    want, _ = local_results
+    want, _ = per_row_results
     group_sizes = []
     generate = sampling.generate
 
@@ -422,7 +435,7 @@ def test_run_sync_ray_matches_local_run(tmp_path, local_run):
     rows = run_tiny(tmp_path / "run", "rollout.backend=ray", "rollout.num_workers=1")
     assert_same_metrics(rows, local_run)
     assert all(r["rollout/staleness_max"] == 0.0 for r in rows[1:])
-    assert all(r["rollout/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
+    assert all(r["perf/weight_sync_s"] > 0 and r["rollout/weight_mb"] > 0 for r in rows[1:])
 
 
 @pytest.mark.heavy  # make test: test_async_staleness_bound (the backend)

@@ -23,6 +23,7 @@ from jgrpo.losses import token_logprobs as trainer_token_logprobs
 from jgrpo.models import from_pretrained, kernels
 from jgrpo.sampling import (
     SamplingParams,
+    cache_length,
     compact_widths,
     compile_count,
     generate,
@@ -437,8 +438,7 @@ def test_from_rollout_config():
         top_k=50,
         max_new_tokens=77,
         prompt_bucket=16,
-        compact_decode=True,
-    )
+    )  # compact_decode: the config's default (true), not SamplingParams' (false)
     sp = SamplingParams.from_rollout_config(rc, stop_token_ids=(7,))
     assert (
         sp.temperature,
@@ -609,6 +609,23 @@ def test_shared_prefill_gives_the_same_tokens(pair, kernels_path, dtype, tempera
         assert (shared.tokens[0::group] != shared.tokens[1::group]).any()
 
 
+def test_default_sampler_logprobs_match_trainer_forward(pair):
+    """The run's default sampler (rollout.shared_prefill and rollout.compact_decode on), float32:
+    neither is bit-exact against per-row prefill at the full width (a few ulps), so the bound that
+    matters is the trainer's: its forward reproduces the generation logprobs to
+    token_mult_prob_error <= 1.001, as for the plain sampler above."""
+    model = with_kernels(pair[1], "cpu")
+    prompts, group = grouped_prompts(4, 4, seed=6), 4
+    params = dataclasses.replace(SLOT_PARAMS, compact_decode=True)  # rows stop: it narrows
+    gen = generate(model, prompts, params, jax.random.key(8), first_row=6, group_size=group)
+    assert gen.lengths.min() <= 2 and gen.truncated.any(), gen.lengths  # 16 -> 8 -> 4 rows
+    logits_bnv, mask = trainer_logits(model, gen)
+    lo = token_logprobs(logits_bnv / params.temperature, gen.tokens)
+    err = token_mult_prob_error(gen.logprobs, lo, mask)
+    assert err <= 1.001, err
+    np.testing.assert_allclose(gen.logprobs[mask], lo[mask], atol=1e-4)
+
+
 def test_shared_prefill_prefills_each_prompt_once(pair, monkeypatch):
     """The prefill's input has one row per distinct prompt (B / G rows, not B)."""
     _, model = pair
@@ -714,8 +731,46 @@ def test_compact_decode_gives_the_same_tokens(pair, kernels_path, dtype, tempera
         text = generate_padded.lower(*args, np.arange(16, dtype=np.int32), spec=spec).as_text()
         cache_widths[flag] = set(re.findall(r"tensor<(\d+)x\d+x\d+x\d+x[bf]", text))
     assert {"8", "4"} <= cache_widths[True] - cache_widths[False], cache_widths
-    with pytest.raises(ValueError, match="compact_decode.*decode_slots 2 < 16 rows"):
-        generate(model, prompts, dataclasses.replace(compact, decode_slots=2), key)
+
+
+TAIL_CASES = path_dtype_temperature_cases({("cpu", "float32", 1.0)})
+"""make test: the cpu float32 sampled case (with the lowered program's cache widths)."""
+
+
+@pytest.mark.parametrize("kernels_path,dtype,temperature", TAIL_CASES)
+def test_decode_slots_tail_compaction_gives_the_same_tokens(pair, kernels_path, dtype, temperature):
+    """decode_slots 8 < 16 rows with compact_decode: once no row waits, the 8 slots narrow to
+    4, 2, 1 as their rows stop (gathered from the wider pool's cache). Draws are keyed by row,
+    so the tokens and the decode steps are those of the slot loop without it, and of one batch
+    of every row; the lowered program holds the narrower slot caches."""
+    model = with_kernels(pair[1], kernels_path)
+    model.cfg = dataclasses.replace(model.cfg, dtype=dtype)
+    cfg = model.cfg
+    prompts, group = grouped_prompts(4, 4, seed=6), 4  # 16 rows
+    key = jax.random.key(8)
+    params = dataclasses.replace(SLOT_PARAMS, temperature=temperature)
+    ref = generate(model, prompts, params, key, first_row=6)  # every row in one batch
+    slots = dataclasses.replace(params, decode_slots=8)
+    full = generate(model, prompts, slots, key, first_row=6, group_size=group)
+    tail = dataclasses.replace(slots, compact_decode=True)
+    out = generate(model, prompts, tail, key, first_row=6, group_size=group)
+    for name in ("tokens", "lengths", "truncated", "prompt_tokens", "prompt_lengths"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(ref, name), name)
+    assert out.num_decode_steps == full.num_decode_steps
+    for name in ("logprobs", "filtered_logprobs"):  # as test_compact_decode_gives_the_same_tokens
+        np.testing.assert_allclose(getattr(out, name), getattr(full, name), atol=1e-5)
+    if (kernels_path, dtype) != ("cpu", "float32"):
+        return  # the cache layout matched below is the cpu path's, in float32
+    cache_widths = {}
+    for params in (slots, tail):
+        spec = make_decode_spec(model.cfg, params)
+        ids_up, lengths_u = pad_prompts(prompts[::group], params.prompt_bucket, spec.pad_id)
+        args = (model, ids_up, lengths_u, key, np.float32(1.0), np.float32(0.9))
+        text = generate_padded.lower(*args, np.arange(16, dtype=np.int32), spec=spec).as_text()
+        keys = rf"tensor<(\d+)x{cfg.num_kv_heads}x{cfg.head_dim}x{cache_length(16, 20)}xf32>"
+        cache_widths[params.compact_decode] = set(re.findall(keys, text))  # cpu keys [w, k, h, s]
+    # 8 slots, 4 (a group's rows entering at once; the first narrowing), 1 (the staged prompt)
+    assert cache_widths[True] - cache_widths[False] == {"2"}, cache_widths
 
 
 def test_decode_slots_compile_once_per_shape(pair):

@@ -497,7 +497,12 @@ def test_model_path_errors_name_the_key(tmp_path):
 
 def test_check_model_path_builds_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("JGRPO_CACHE", str(tmp_path / "cache"))
-    for spec in ("smollm2", "builtin:tiny-qwen2"):
+    for spec in (
+        "smollm2",
+        "builtin:tiny-qwen2",
+        "builtin:tiny-qwen3-moe",
+        "builtin:tiny-glm4-moe",
+    ):
         check_model_path(spec)
     assert not (tmp_path / "cache").exists()
     with pytest.raises(ConfigError, match="model.path: unknown built-in"):

@@ -22,6 +22,7 @@ BASE = [
     "optim.learning_rate=1e-3",
     "rollout.temperature=0.9",
     ROLLOUT_BATCH_BUCKET,
+    "grpo.sequence_packing=false",  # the padded-row step (test_packing.py: packed = padded)
 ]
 
 

@@ -11,6 +11,9 @@ One run measures, side by side:
              the prev-logprob forward's cost = train(off) - train(on); compiled flops of each
              train step (every loop trip counted, `jgrpo inspect-step`'s count) and the
              generation's analytic flops, as FLOP/s and as a fraction of the matmul limit;
+  phases     the SmolLM2 size's on-policy train step split into programs compiled and timed
+             alone (forward, backward, optimizer, the LM head; tools/bench_step.py --phases),
+             each against the matmul limit (--smoke: the tiny size's);
   sampler    jgrpo.sampling.generate vs transformers' generate (tools/bench_sampler.py), with
              decode's bytes/s (weights + KV cache read per token step) vs the bandwidth limit;
   slots      the sampler's decode slots (`rollout.decode_slots`) vs one batch of every row, with
@@ -158,7 +161,7 @@ PHASES = {
     "  detokenize": "perf/detokenize_s",
     "  reward": "perf/reward_s",
     "train": "perf/train_s",
-    "weight sync": "rollout/weight_sync_s",
+    "weight sync": "perf/weight_sync_s",
 }
 
 
@@ -214,7 +217,7 @@ def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, lim
                 r["perf/step_s"]
                 - r["perf/generation_s"]
                 - r["perf/train_s"]
-                - r.get("rollout/weight_sync_s", 0.0)
+                - r.get("perf/weight_sync_s", 0.0)
                 for r in rows
             ]
         )
@@ -417,6 +420,15 @@ def print_report(report: dict) -> None:
             else:
                 cells = [fmt(r[v][key], 1, 2) for v in VARIANTS]
             print(f"{label:28s}" + "".join(f"{c:>12s}" for c in cells))
+    if report.get("phases"):
+        import bench_step
+
+        phases = {k: v for k, v in report["phases"].items() if k != "model"}
+        bench_step.print_phases(
+            phases,
+            f"\n== train step phases, {report['phases']['model']}, 16 rows x (32 + 32) tokens, "
+            "on-policy, each program alone; medians, ms",
+        )
     if report.get("sampler"):
         print("\n== sampler vs transformers generate (greedy, EOS off)")
         print(
@@ -462,6 +474,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny only, 1 round, quick sampler")
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler comparison")
+    ap.add_argument("--no-phases", action="store_true", help="skip the train-step phase table")
     ap.add_argument("--no-slots", action="store_true", help="skip the decode-slot tables")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time runs")
     ap.add_argument("--no-packing", action="store_true", help="skip the whole-step table")
@@ -492,6 +505,20 @@ def main(argv=None) -> dict:
             report["steps"][size] = bench_steps(
                 size, rounds, steps[size], Path(tmp), report["machine"]
             )
+        if not args.no_phases:
+            import bench_step
+
+            model_path = "smollm2" if "smollm2" in sizes else "builtin:tiny-qwen2"
+            cfg = bench_step.phases_config(model_path, 16, 32, 32)
+            report["phases"] = {
+                "model": model_path,
+                **bench_step.measure_phases(
+                    cfg,
+                    1 if args.smoke else 2,
+                    report["machine"]["matmul_flops_per_s"],
+                    rounds=1 if args.smoke else 3,
+                ),
+            }
         if not args.no_sampler:
             try:
                 report["sampler"] = bench_sampler_vs_transformers(

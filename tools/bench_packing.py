@@ -4,7 +4,10 @@ today = the sampler as one batch of every row, decoding until its longest row st
 train step on padded rows (`grpo.sequence_packing=false`); new = the sampler with
 `rollout.decode_slots` S (default rows / 4: the best count of tools/bench_sampler.py --slots
 on 128 rows) then the packed train step (`grpo.sequence_packing=true`); compact = the sampler
-with `rollout.compact_decode` (one batch narrowing as rows stop) then the packed train step.
+with `rollout.compact_decode` (one batch narrowing as rows stop) then the packed train step;
+default = the run config's defaults since issue 35: compaction with shared prompt prefill
+(`rollout.shared_prefill`: each prompt prefilled once for its 8 rows) then the packed train step,
+against today's = the defaults before it (`--samplers default`).
 
 Workloads: P prompts x 8 generations, 64-token prompts, completions capped at `--cap`. The rows
 really stop, by tools/bench_sampler.py's mechanism (its `uniform_draw_model`: random weights,
@@ -68,12 +71,14 @@ SHAPES = {
     "smollm2": (["model.path=smollm2", "model.remat=full", "model.logprob_chunk_size=32"], 2, 2),
 }
 WORKLOADS = ("skewed", "uniform")
-SAMPLERS = ("one_batch", "slots", "compact")
-"""today's one batch of every row; `rollout.decode_slots` S; `rollout.compact_decode`."""
+SAMPLERS = ("one_batch", "slots", "compact", "default")
+"""today's one batch of every row; `rollout.decode_slots` S; `rollout.compact_decode`;
+compaction + `rollout.shared_prefill` (the config's defaults)."""
 SIDES = {
     "today": ("one_batch", "padded"),
     "new": ("slots", "packed"),
     "compact": ("compact", "packed"),
+    "default": ("default", "packed"),
 }
 """Each side's whole step: (its sampler, its train step)."""
 
@@ -200,17 +205,19 @@ def bench_shape(
                 pad_id=0,
                 prompt_bucket=PROMPT,
                 decode_slots=slots if name == "slots" else None,
-                compact_decode=name == "compact",
+                compact_decode=name in ("compact", "default"),
             )
             for name in samplers
         }
+        group = {name: GENERATIONS if name == "default" else 1 for name in samplers}
         per_round = []
         first = {}
         for r in range(rounds + 1):  # round 0: compile and warm, not timed
             times, gens = {}, {}
             for name in samplers[:: 1 if r % 2 else -1]:
                 start = time.perf_counter()
-                gens[name] = generate(model, prompt_rows, params[name], jax.random.key(r))
+                key = jax.random.key(r)
+                gens[name] = generate(model, prompt_rows, params[name], key, group_size=group[name])
                 times[name] = time.perf_counter() - start
             gen = gens["one_batch"]
             host = rollout_batch(gen, GENERATIONS, seed=r)
@@ -320,14 +327,18 @@ TABLE = (
     ("decode steps, one batch", "decode_steps_one_batch", "{:.0f}"),
     ("decode steps, slots", "decode_steps_slots", "{:.0f}"),
     ("decode steps, compact", "decode_steps_compact", "{:.0f}"),
+    ("decode steps, default", "decode_steps_default", "{:.0f}"),
     ("sampler one batch, s", "one_batch_s", "{:.3f}"),
     ("sampler slots, s", "slots_s", "{:.3f}"),
     ("sampler compact, s", "compact_s", "{:.3f}"),
+    ("sampler default, s", "default_s", "{:.3f}"),
     ("sampler speedup, slots", "sampler_speedup", "{:.2f}x"),
     ("sampler speedup, compact", "sampler_speedup_compact", "{:.2f}x"),
+    ("sampler speedup, default", "sampler_speedup_default", "{:.2f}x"),
     ("sampler tok/s one batch", "sampler_tokens_per_s_one_batch", "{:.0f}"),
     ("sampler tok/s slots", "sampler_tokens_per_s_slots", "{:.0f}"),
     ("sampler tok/s compact", "sampler_tokens_per_s_compact", "{:.0f}"),
+    ("sampler tok/s default", "sampler_tokens_per_s_default", "{:.0f}"),
     ("tokens padded / packed", None, None),
     ("train padded, s", "padded_s", "{:.3f}"),
     ("train packed, s", "packed_s", "{:.3f}"),
@@ -335,18 +346,23 @@ TABLE = (
     ("GRPO step today, s", "step_today_s", "{:.3f}"),
     ("GRPO step new, s", "step_new_s", "{:.3f}"),
     ("GRPO step compact, s", "step_compact_s", "{:.3f}"),
+    ("GRPO step default, s", "step_default_s", "{:.3f}"),
     ("GRPO step speedup", "step_speedup", "{:.2f}x"),
     ("  paired by round", "step_speedup_paired", "{:.2f}x"),
     ("GRPO step speedup, compact", "step_speedup_compact", "{:.2f}x"),
     ("  paired by round", "step_speedup_compact_paired", "{:.2f}x"),
+    ("GRPO step speedup, default", "step_speedup_default", "{:.2f}x"),
+    ("  paired by round", "step_speedup_default_paired", "{:.2f}x"),
     ("GFLOP/s sampler 1 batch", "sampler_gflops_per_s_one_batch", "{:.1f}"),
     ("GFLOP/s sampler slots", "sampler_gflops_per_s_slots", "{:.1f}"),
     ("GFLOP/s sampler compact", "sampler_gflops_per_s_compact", "{:.1f}"),
+    ("GFLOP/s sampler default", "sampler_gflops_per_s_default", "{:.1f}"),
     ("GFLOP/s train padded", "train_gflops_per_s_padded", "{:.1f}"),
     ("GFLOP/s train packed", "train_gflops_per_s_packed", "{:.1f}"),
     ("GFLOP/s step today", "step_gflops_per_s_today", "{:.1f}"),
     ("GFLOP/s step new", "step_gflops_per_s_new", "{:.1f}"),
     ("GFLOP/s step compact", "step_gflops_per_s_compact", "{:.1f}"),
+    ("GFLOP/s step default", "step_gflops_per_s_default", "{:.1f}"),
 )
 
 
@@ -355,7 +371,8 @@ def print_report(report: dict) -> None:
         m = r["model"]
         print(
             f"\n== whole GRPO step, today (one batch + padded) vs new ({m['slots']} decode slots"
-            f" + packed) and compact (compact decode + packed), {shape} ({m['layers']} layers, "
+            f" + packed), compact (compact decode + packed) and default (compact decode + "
+            f"shared prefill + packed), {shape} ({m['layers']} layers, "
             f"d {m['hidden']}, vocab {m['vocab']}, "
             f"remat {m['remat']}): {m['prompts']} prompts x {m['generations']}, "
             f"{m['prompt_tokens']}-token prompts, cap {m['cap']}, {m['microbatches']} "
@@ -380,7 +397,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm)")
     ap.add_argument("--slots", type=int, default=None, help="decode slots (default rows / 4)")
     ap.add_argument(
-        "--samplers", default=",".join(SAMPLERS[1:]), help="besides one_batch: slots,compact"
+        "--samplers",
+        default=",".join(SAMPLERS[1:3]),
+        help="besides one_batch: slots,compact,default",
     )
     ap.add_argument("--smollm2-prompts", type=int, default=SHAPES["smollm2"][1])
     ap.add_argument("--smollm2-microbatches", type=int, default=SHAPES["smollm2"][2])

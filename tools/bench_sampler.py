@@ -30,6 +30,14 @@ row. Tokens/s counts the tokens generated (stop included), so padding never coun
     python tools/bench_sampler.py --kernels portable   # the GPU/TPU kernel path (on any backend)
     python tools/bench_sampler.py --slots [--quick]    # the decode-slot tables instead
     python tools/bench_sampler.py --slots --config B   # SmolLM2-135M's decode-slot table only
+    python tools/bench_sampler.py --top-p              # one decode step's top-p draw
+
+Top-p (`--top-p`): one decode step's draw (`jgrpo.draws.sample_token`, temperature 1, top_p
+0.9) of 16 rows over SmolLM2's 49,152-entry and Qwen2.5's 151,936-entry vocabularies, the
+portable (GPU/TPU) path's threshold (top 16 checked, else bisection) against bisection for
+every row (the CPU path's, and the portable path's before), interleaved, medians: on peaked
+rows (Zipf-like logits, a language model's shape: the 16 largest hold the nucleus) and flat
+rows (every row falls back to bisection).
 """
 
 from __future__ import annotations
@@ -353,6 +361,54 @@ def bench_all_slots(
     return results
 
 
+def bench_top_p(rounds: int, calls: int = 20):
+    """`--top-p`: the draw's median time per call, sort-free threshold vs bisection only."""
+    from jgrpo import draws
+
+    def bisection_only(x_bv, top_p, path):
+        probs_bv = jax.nn.softmax(x_bv, axis=-1)
+        return draws._bisect_threshold(x_bv, draws._order_keys(x_bv), probs_bv, top_p)
+
+    def make_draw(threshold):
+        def draw(x_bv, keys_b):
+            saved, draws._nucleus_threshold = draws._nucleus_threshold, threshold
+            try:  # traced once: the jit keeps the threshold it traced with
+                return draws.sample_token(x_bv, keys_b, 1.0, 0.9, None, True, path="portable")
+            finally:
+                draws._nucleus_threshold = saved
+
+        return jax.jit(draw)
+
+    arms = {
+        "top16+check": make_draw(draws._nucleus_threshold),
+        "bisection": make_draw(bisection_only),
+    }
+    rng = np.random.RandomState(0)
+    keys_b = jax.random.split(jax.random.key(0), 16)
+    print(f"\n== top-p draw, 16 rows, top_p 0.9, {rounds} rounds x {calls} calls (ms per draw)")
+    for v in (49152, 151936):
+        ranks_bv = np.argsort(rng.rand(16, v), axis=-1) + 1
+        rows = {
+            "peaked": jnp.asarray(-2.0 * np.log(ranks_bv), jnp.float32),
+            "flat": jnp.asarray(rng.randn(16, v) * 0.5, jnp.float32),
+        }
+        for kind, x_bv in rows.items():
+            times = {name: [] for name in arms}
+            for fn in arms.values():
+                jax.block_until_ready(fn(x_bv, keys_b))  # compile
+            for _ in range(rounds):
+                for name, fn in arms.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        jax.block_until_ready(fn(x_bv, keys_b))
+                    times[name].append((time.perf_counter() - start) / calls)
+            new, old = (statistics.median(times[n]) * 1e3 for n in arms)
+            print(
+                f"V {v:>6} {kind:>6}: top16+check {new:7.2f}  bisection {old:7.2f}  "
+                f"ratio {old / new:5.2f}x"
+            )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="config A only, 3 rounds")
@@ -363,7 +419,11 @@ def main(argv=None):
         "--kernels", choices=KERNEL_CHOICES, default="auto", help="jgrpo.models.kernels path"
     )
     parser.add_argument("--slots", action="store_true", help="the decode-slot table instead")
+    parser.add_argument("--top-p", action="store_true", help="the top-p draw timing instead")
     args = parser.parse_args(argv)
+    if args.top_p:
+        bench_top_p(args.rounds or 5)
+        return
     config = args.config or ("A" if args.quick else "all")
     if args.slots:
         from bench import machine_limits  # tools/: the limits `make bench` reports

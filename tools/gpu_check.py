@@ -1,28 +1,40 @@
-"""Accelerator check: train-step MFU, sampler throughput, memory and bf16 logprob agreement on
-random Qwen2.5-0.5B- and 1.5B-shaped models, with nothing downloaded. JSON out.
+"""Accelerator check: the whole GRPO step of the Qwen2.5-0.5B and 1.5B recipes, decode
+tokens/s at batch 256 against the bandwidth roofline, train-step MFU, peak memory against
+inspect-step's estimate and bf16 logprob agreement, on random models of the recipes' shapes,
+with nothing downloaded. One JSON out, with the targets of docs/performance.md checked.
 
-    bash tools/gpu_check.sh [--out FILE]      # one H100/H200-class GPU, <= 12 minutes
-    bash tools/gpu_check.sh --tiny            # tiny shapes on CPU in seconds (the test runs it)
+    bash tools/gpu_check.sh [--out FILE]      # one H100/H200-class GPU, <= 8 minutes
+    bash tools/gpu_check.sh --tiny            # tiny shapes on CPU in seconds (a test runs it)
 
-Per shape it reports: sampler tokens/s (B rows x N new tokens, eos ignored, compile excluded);
-the median train-step time on-policy (loss.force_on_policy_ratio: no prev forward) and
-off-policy (the prev forward runs); MFU = analytic model matmul flops of the step
-(`jgrpo.inspect_step.analytic_flops`, remat recompute excluded: model flops, not hardware
-flops) / step time / the chip's dense bf16 peak (`PEAK_BF16`, named in the output; null when
-the chip is not in the table, e.g. on CPU); the device's peak memory (`memory_stats`, null on
-CPU); and `logprob/token_mult_prob_error` of the trainer's bf16 logprobs against the sampler's
-on the sampled batch (1.0 = identical). First, `recipe`: configs/qwen25_0.5b_gsm8k.yaml's
-train step (tiny: configs/tiny.yaml's) on a random model of its shape and a random batch of
-its B x T for a few steps: step time, MFU, the device's peak memory against inspect-step's
-`peak_bytes_per_device_estimate` of the same step (`memory_vs_estimate`, null on CPU). On a
-device with less than `SMALL_DEVICE_BYTES` of memory (a T4, e.g. Colab's) the recipe is
-configs/qwen25_0.5b_gsm8k_lora_t4.yaml and the bf16 shapes, sized for an 80G device, are skipped.
+Per recipe (configs/qwen25_0.5b_gsm8k.yaml, configs/qwen25_1.5b_gsm8k.yaml; tiny:
+configs/tiny.yaml), on a random model of its shape (model.path = a folder holding only the
+model's config.json), one device, in this order:
+- `train`: inspect-step's estimate of the step, then the recipe's train step on a random batch
+  of its B x T (compile, then `RECIPE_STEPS` timed steps): median `step_s`, `mfu` = analytic
+  model matmul flops (`jgrpo.inspect_step.analytic_flops`, remat recompute excluded) / step_s
+  / the chip's dense bf16 peak (`PEAK_BF16`; null when the chip is not in the table, e.g. CPU);
+  the device's peak memory right after (`memory_stats`, null on CPU) / the estimate
+  (`memory_vs_estimate`; the process's peak: the 1.5B recipe runs after the 0.5B one);
+- `generate`: the recipe's rollout (its B rows in groups sharing a prompt, prompt_bucket-long
+  prompts, max_new_tokens each: eos ignored, the worst case) from the step's parameters, timed
+  after a compile; `grpo_step_s` = generate s + train step_s (reward, detokenize and host work
+  aside: small next to them);
+- `token_mult_prob_error`: one train step on that generated batch: the trainer's bf16 logprobs
+  of the sampled tokens against the sampler's (1.0 = identical);
+- `decode`: the sampler at `DECODE` rows (256) x prompt x new tokens, timed after a compile:
+  tokens/s against `roofline_tokens_per_s` = rows / (the bytes a decode step must read: every
+  weight in the compute dtype plus the mean live KV cache) x the chip's memory bandwidth
+  (`HBM_BYTES_PER_S`; null when unknown).
+`checks`: each target of docs/performance.md with its value and `ok` (null where the target's
+device is not this one). On a device with less than `SMALL_DEVICE_BYTES` (a T4, e.g. Colab's)
+the recipe is configs/qwen25_0.5b_gsm8k_lora_t4.yaml alone, without the batch-256 decode.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,56 +49,51 @@ from jgrpo import sampling, sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import load_config
 from jgrpo.inspect_step import analytic_flops, inspect_step
-from jgrpo.models import Transformer, TransformerConfig, model_options, policy_config
-from jgrpo.models.tiny import tiny_model_fields
+from jgrpo.models import Transformer, policy_config
+from jgrpo.models.adapters import join_lora
 from jgrpo.rollout.engine import assemble_batch
+from jgrpo.xla_flags import set_gpu_flags
 
 PEAK_BF16 = {  # dense (no sparsity) bf16 tensor-core peak, FLOP/s
     "H200": 989e12,  # same SXM tensor cores as H100
     "H100": 989e12,  # H100 SXM; the PCIe card is 756e12
     "A100": 312e12,
 }
-
-QWEN = dict(family="qwen2", attention_bias=True, tie_word_embeddings=True, rope_theta=1e6)
-SHAPES = {
-    "qwen2.5-0.5b": TransformerConfig(
-        **QWEN,
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=64,
-    ),
-    "qwen2.5-1.5b": TransformerConfig(
-        **QWEN,
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-    ),
+HBM_BYTES_PER_S = {  # memory bandwidth, bytes/s
+    "H200": 4.8e12,
+    "H100": 3.35e12,  # SXM; the PCIe card is 2.0e12
+    "A100": 2.0e12,  # 80 GB SXM
 }
-TINY_SHAPE = TransformerConfig(**{**tiny_model_fields(width=64, vocab_size=256), **QWEN})
+
 ROOT = Path(__file__).resolve().parents[1]
 HF_QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "rms_norm_eps": 1e-06}
+HF_QWEN25 = {**HF_QWEN, "max_position_embeddings": 32768, "rope_theta": 1000000.0}
 HF_QWEN25_0_5B = {  # Qwen2.5-0.5B's config.json hyperparameters
-    **HF_QWEN,
+    **HF_QWEN25,
     "hidden_size": 896,
     "intermediate_size": 4864,
     "num_hidden_layers": 24,
     "num_attention_heads": 14,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
     "vocab_size": 151936,
 }
-RECIPE = (ROOT / "configs" / "qwen25_0.5b_gsm8k.yaml", HF_QWEN25_0_5B)
-"""The recipe run first, and its model's config.json."""
+HF_QWEN25_1_5B = {  # Qwen2.5-1.5B's
+    **HF_QWEN25,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "vocab_size": 151936,
+}
+RECIPES = {
+    "qwen2.5-0.5b": (ROOT / "configs" / "qwen25_0.5b_gsm8k.yaml", HF_QWEN25_0_5B),
+    "qwen2.5-1.5b": (ROOT / "configs" / "qwen25_1.5b_gsm8k.yaml", HF_QWEN25_1_5B),
+}
+"""The recipes checked, in order, and their models' config.json."""
+RECIPE = RECIPES["qwen2.5-0.5b"]
 T4_RECIPE = (ROOT / "configs" / "qwen25_0.5b_gsm8k_lora_t4.yaml", HF_QWEN25_0_5B)
 """The recipe of a device under SMALL_DEVICE_BYTES (the notebook's GPU path)."""
 SMALL_DEVICE_BYTES = 40 * 10**9
@@ -106,16 +113,26 @@ TINY_RECIPE = (
     },
 )
 RECIPE_STEPS = 3
-SIZES = {"prompts": 8, "generations": 8, "prompt_len": 64, "new_tokens": 512, "repeats": 3}
-TINY_SIZES = {"prompts": 2, "generations": 4, "prompt_len": 8, "new_tokens": 8, "repeats": 2}
+DECODE = {"rows": 256, "prompt_len": 64, "new_tokens": 512}
+TINY_DECODE = {"rows": 8, "prompt_len": 8, "new_tokens": 8}
+TARGETS = {  # docs/performance.md, "Targets": (recipe, value, at least / at most, bound)
+    "0.5b_decode_tokens_per_s": ("qwen2.5-0.5b", "decode_tokens_per_s", ">=", 120_000),
+    "1.5b_decode_tokens_per_s": ("qwen2.5-1.5b", "decode_tokens_per_s", ">=", 60_000),
+    "1.5b_train_mfu": ("qwen2.5-1.5b", "mfu", ">=", 0.35),
+    "1.5b_grpo_step_s": ("qwen2.5-1.5b", "grpo_step_s", "<=", 20.0),
+}
+TARGET_DEVICE = "H200"
+"""The targets are for one H200 (batch 256 for decode)."""
+
+
+def chip_of(device) -> str | None:
+    kind = getattr(device, "device_kind", "")
+    return next((name for name in PEAK_BF16 if name in kind), None)
 
 
 def peak_of(device) -> tuple[str | None, float | None]:
-    kind = getattr(device, "device_kind", "")
-    for name, peak in PEAK_BF16.items():
-        if name in kind:
-            return name, peak
-    return None, None
+    chip = chip_of(device)
+    return chip, PEAK_BF16.get(chip)
 
 
 def device_memory(device) -> int | None:
@@ -125,36 +142,13 @@ def device_memory(device) -> int | None:
 
 
 def small_device(memory: int | None) -> bool:
-    """Too small for the 80G recipe and the bf16 shapes: the T4 recipe alone."""
+    """Too small for the 80G recipes and the batch-256 decode: the T4 recipe alone."""
     return memory is not None and memory < SMALL_DEVICE_BYTES
 
 
 def peak_memory(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats else int(stats.get("peak_bytes_in_use", 0))
-
-
-def run_config(sizes: dict, overrides: list[str]):
-    return load_config(
-        None,
-        [
-            f"grpo.num_prompts_per_step={sizes['prompts']}",
-            f"grpo.num_generations_per_prompt={sizes['generations']}",
-            f"rollout.prompt_bucket={sizes['prompt_len']}",
-            f"rollout.max_new_tokens={sizes['new_tokens']}",
-            "model.compute_dtype=bfloat16",
-            "mesh.data=1",
-            "optim.learning_rate=1e-6",
-            *overrides,
-        ],
-    )
-
-
-def model_for(model_cfg: TransformerConfig, cfg) -> Transformer:
-    """A random model of shape `model_cfg` under the run's options (jgrpo.models.model_options:
-    run_config's model.compute_dtype=bfloat16, model.dtype, remat, logprob chunk, kernels)."""
-    options = model_options(cfg.model)
-    return Transformer(TransformerConfig(**{**vars(model_cfg), **options}), rngs=nnx.Rngs(0))
 
 
 def random_batch(cfg, vocab_size: int, seed: int = 0) -> TrainBatch:
@@ -185,10 +179,37 @@ def compare_memory(measured: int | None, estimate: int) -> float | None:
     return None if measured is None else measured / estimate
 
 
-def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> dict:
-    """The recipe's train step on a random model of its shape (model.path = a folder holding
-    only `hf_config`), one device: inspect-step's estimate, then `steps` timed steps after a
-    compile. Run it first: the device's peak memory is the process's."""
+def decode_step_bytes(model_cfg, num_params: int, rows: int, prompt: int, new: int) -> float:
+    """Bytes one decode step must read, on average over the N steps: every weight in the
+    compute dtype and each row's live KV cache (P + N/2 slots, every layer's keys and values)."""
+    itemsize = model_cfg.jnp_dtype.itemsize
+    kv_per_slot = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+    return (num_params + rows * (prompt + new / 2) * kv_per_slot) * itemsize
+
+
+def roofline_tokens_per_s(step_bytes: float, rows: int, bandwidth: float | None):
+    """Decode tokens/s if each step took its bytes / the memory bandwidth (None: unknown)."""
+    return None if bandwidth is None else rows * bandwidth / step_bytes
+
+
+def timed_generate(model, prompts, params, group_size: int) -> tuple[object, float, float]:
+    """(generation, compile + first call s, second call s) of `sampling.generate`."""
+    key = jax.random.key(0)
+    start = time.perf_counter()
+    sampling.generate(model, prompts, params, key, group_size=group_size)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    gen = sampling.generate(
+        model, prompts, params, jax.random.fold_in(key, 1), group_size=group_size
+    )
+    return gen, first, time.perf_counter() - start
+
+
+def check_recipe(
+    config: Path, hf_config: dict, steps: int = RECIPE_STEPS, decode: dict | None = None
+) -> dict:
+    """The recipe's GRPO step on a random model of its shape, one device (module docstring):
+    train step, generation, logprob agreement, and (`decode` given) the batch-256 decode."""
     if jax.device_count() != 1:  # inspect-step sizes the mesh of every visible device
         return {
             "skipped": f"{jax.device_count()} devices visible; needs one (CUDA_VISIBLE_DEVICES=0)"
@@ -201,7 +222,7 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
         model_cfg = policy_config(cfg.model)
     mesh = sharding.make_mesh(cfg.mesh, [device])
     built = step_setup.build_step(cfg, Transformer(model_cfg, rngs=nnx.Rngs(0)), mesh=mesh)
-    batch = random_batch(cfg, model_cfg.vocab_size).shard(mesh)
+    batch = built.device_batch(random_batch(cfg, model_cfg.vocab_size))  # packed by default
     state, times = built.state, []
     args = (built.hparams, built.ref_params, built.frozen)  # frozen: a LoRA recipe's base
     for _ in range(steps + 1):  # the first call compiles
@@ -209,118 +230,127 @@ def check_recipe(config: Path, hf_config: dict, steps: int = RECIPE_STEPS) -> di
         state, metrics = built.step_fn(state, batch, *args)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    median = statistics.median(times[1:])
-    _, peak = peak_of(device)
-    model_flops = analytic_flops(cfg, built.model_cfg)["model"]
+    step_s = statistics.median(times[1:])
     measured = peak_memory(device)
+    chip, peak = peak_of(device)
+    model_flops = analytic_flops(cfg, built.model_cfg)["model"]
     out = {
         "config": str(config.relative_to(ROOT)),
         "rows": cfg.grpo.batch_size,
         "tokens": cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens,
-        "step_s": median,
+        "step_s": step_s,
         "compile_s": times[0],
         "model_flops": model_flops,
-        "mfu": None if peak is None else model_flops / median / peak,
+        "mfu": None if peak is None else model_flops / step_s / peak,
         "loss": float(metrics["loss/total"]),
         "peak_memory_bytes": measured,
         "estimate_peak_bytes": estimate["peak_bytes_per_device_estimate"],
         "estimate_temp_bytes": estimate["temp_bytes_per_device"],
         "memory_vs_estimate": compare_memory(measured, estimate["peak_bytes_per_device_estimate"]),
     }
-    del state, built, batch
+    del batch
+
+    # the recipe's rollout from the step's parameters, then one step on what it sampled
+    g, ro = cfg.grpo, cfg.rollout
+    model = (built.graphdef, nnx.state(join_lora(built.graphdef, state.params, built.frozen)))
+    rng = np.random.RandomState(1)
+    prompts = [list(rng.randint(1, model_cfg.vocab_size, ro.prompt_bucket))] * g.batch_size
+    for u in range(g.num_prompts_per_step):  # one prompt per group
+        prompt = list(rng.randint(1, model_cfg.vocab_size, ro.prompt_bucket))
+        prompts[u * g.num_generations_per_prompt : (u + 1) * g.num_generations_per_prompt] = [
+            prompt
+        ] * g.num_generations_per_prompt
+    params = sampling.SamplingParams.from_rollout_config(ro, ignore_eos=True)
+    gen, first, seconds = timed_generate(model, prompts, params, g.num_generations_per_prompt)
+    out["generate"] = {
+        "rows": g.batch_size,
+        "new_tokens": ro.max_new_tokens,
+        "seconds": seconds,
+        "compile_s": first - seconds,
+        "tokens_per_s": float(gen.lengths.sum()) / seconds,
+    }
+    out["grpo_step_s"] = seconds + step_s
+    if decode is not None:
+        rows, p, n = decode["rows"], decode["prompt_len"], decode["new_tokens"]
+        prompts = [list(rng.randint(1, model_cfg.vocab_size, p)) for _ in range(rows)]
+        params = sampling.SamplingParams(
+            max_new_tokens=n, temperature=1.0, prompt_bucket=p, ignore_eos=True
+        )
+        decoded, first, seconds = timed_generate(model, prompts, params, 1)
+        num_params = sum(x.size for x in jax.tree.leaves(model[1]))
+        step_bytes = decode_step_bytes(built.model_cfg, num_params, rows, p, n)
+        roofline = roofline_tokens_per_s(step_bytes, rows, HBM_BYTES_PER_S.get(chip))
+        tokens_per_s = float(decoded.lengths.sum()) / seconds
+        out["decode"] = {
+            **decode,
+            "seconds": seconds,
+            "compile_s": first - seconds,
+            "tokens_per_s": tokens_per_s,
+            "step_bytes": step_bytes,
+            "roofline_tokens_per_s": roofline,
+            "roofline_fraction": None if roofline is None else tokens_per_s / roofline,
+        }
+    # the recipe's rollout scored by the trainer
+    group_ids = np.repeat(np.arange(g.num_prompts_per_step), g.num_generations_per_prompt)
+    rewards = rng.rand(g.batch_size).astype(np.float32)
+    sampled = built.device_batch(
+        TrainBatch.from_mapping(assemble_batch(gen, group_ids, rewards, 0))
+    )
+    # last: the step donates the state, whose parameters the sampler's `model` holds
+    state, metrics = built.step_fn(state, sampled, *args)  # packed as the timed steps were
+    out["token_mult_prob_error"] = float(metrics["logprob/token_mult_prob_error"])
+
+    del state, built, model
     return out
 
 
-def check_shape(name: str, model_cfg: TransformerConfig, sizes: dict) -> dict:
-    devices = jax.devices()[:1]
-    device = devices[0]
-    rows = sizes["prompts"] * sizes["generations"]
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(1, model_cfg.vocab_size, sizes["prompt_len"])) for _ in range(rows)]
-    out = {"rows": rows, "prompt_len": sizes["prompt_len"], "new_tokens": sizes["new_tokens"]}
-
-    cfg = run_config(sizes, [])
-    model = model_for(model_cfg, cfg)
-    params = sampling.SamplingParams(
-        max_new_tokens=sizes["new_tokens"],
-        temperature=1.0,
-        prompt_bucket=sizes["prompt_len"],
-        ignore_eos=True,
-    )
-    key = jax.random.key(0)
-    start = time.perf_counter()
-    gen = sampling.generate(model, prompts, params, key)
-    out["sampler_compile_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    gen = sampling.generate(model, prompts, params, jax.random.fold_in(key, 1))
-    seconds = time.perf_counter() - start
-    out["sampler_tokens_per_s"] = float(gen.lengths.sum()) / seconds
-    group_ids = np.repeat(np.arange(sizes["prompts"]), sizes["generations"])
-    rewards = rng.rand(rows).astype(np.float32)
-    host = TrainBatch.from_mapping(assemble_batch(gen, group_ids, rewards, 0))
-    del model
-
-    _, peak = peak_of(device)
-    for variant, overrides in {
-        "on_policy": ["loss.force_on_policy_ratio=true"],
-        "off_policy": [],
-    }.items():
-        cfg = run_config(sizes, overrides)
-        mesh = sharding.make_mesh(cfg.mesh, devices)
-        built = step_setup.build_step(cfg, model_for(model_cfg, cfg), mesh=mesh)
-        batch = host.shard(mesh)
-        state = built.state
-        start = time.perf_counter()
-        state, metrics = built.step_fn(state, batch, built.hparams, built.ref_params)
-        jax.block_until_ready(metrics)
-        compile_s = time.perf_counter() - start
-        times = []
-        for _ in range(sizes["repeats"]):
-            start = time.perf_counter()
-            state, metrics = built.step_fn(state, batch, built.hparams, built.ref_params)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        median = statistics.median(times)
-        model_flops = analytic_flops(cfg, built.model_cfg)["model"]
-        out[variant] = {
-            "step_s": median,
-            "compile_s": compile_s,
-            "model_flops": model_flops,
-            "mfu": None if peak is None else model_flops / median / peak,
-            "token_mult_prob_error": float(metrics["logprob/token_mult_prob_error"]),
-            "loss": float(metrics["loss/total"]),
-        }
-        del state, built, batch
-    out["peak_memory_bytes"] = peak_memory(device)
+def check_targets(recipes: dict, chip: str | None) -> dict:
+    """Each target of TARGETS: its value from the report, the bound, and `ok` (None where the
+    value is missing or this is not the target's device)."""
+    out = {}
+    for name, (recipe, value, op, bound) in TARGETS.items():
+        r = recipes.get(recipe, {})
+        got = {
+            "decode_tokens_per_s": r.get("decode", {}).get("tokens_per_s"),
+            "mfu": r.get("mfu"),
+            "grpo_step_s": r.get("grpo_step_s"),
+        }[value]
+        ok = None
+        if got is not None and chip == TARGET_DEVICE:
+            ok = got >= bound if op == ">=" else got <= bound
+        out[name] = {"value": got, "target": f"{op} {bound} on one {TARGET_DEVICE}", "ok": ok}
     return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes, seconds on CPU")
+    ap.add_argument("--tiny", action="store_true", help="the tiny recipe, seconds on CPU")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
+    set_gpu_flags()  # as `jgrpo train` does, before the first device call starts XLA
     device = jax.devices()[0]
-    peak_name, peak = peak_of(device)
+    chip, peak = peak_of(device)
     small = small_device(device_memory(device)) and not args.tiny
-    shapes = {"tiny": TINY_SHAPE} if args.tiny else SHAPES
-    sizes = TINY_SIZES if args.tiny else SIZES
-    recipe = TINY_RECIPE if args.tiny else (T4_RECIPE if small else RECIPE)
+    if args.tiny:
+        recipes, decode = {"tiny": TINY_RECIPE}, TINY_DECODE
+    else:
+        recipes, decode = (
+            ({"qwen2.5-0.5b-lora-t4": T4_RECIPE}, None) if small else (RECIPES, DECODE)
+        )
     report = {
         "device": getattr(device, "device_kind", str(device)),
         "platform": device.platform,
         "device_memory_bytes": device_memory(device),
         "peak_bf16_flops": peak,
-        "peak_name": None if peak is None else f"{peak_name} dense bf16 {peak / 1e12:.0f} TFLOP/s",
-        "shapes": {},
+        "peak_name": None if peak is None else f"{chip} dense bf16 {peak / 1e12:.0f} TFLOP/s",
+        "hbm_bytes_per_s": HBM_BYTES_PER_S.get(chip),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "recipes": {},
     }
     start = time.perf_counter()
-    report["recipe"] = check_recipe(*recipe)
-    for name, model_cfg in shapes.items():
-        if small:
-            report["shapes"][name] = {"skipped": "sized for an 80G device"}
-            continue
-        report["shapes"][name] = check_shape(name, model_cfg, sizes)
+    for name, (config, hf_config) in recipes.items():
+        report["recipes"][name] = check_recipe(config, hf_config, decode=decode)
+    report["checks"] = check_targets(report["recipes"], chip)
     report["total_s"] = time.perf_counter() - start
     text = json.dumps(report, indent=2)
     print(text)

@@ -1,4 +1,4 @@
-"""Warm start of a demo: a tiny random Qwen2 fine-tuned (SFT) on the config's task, cached.
+"""Warm start of a demo: a tiny random Qwen2 fine-tuned by `jgrpo sft` on the config's task, cached.
 
     python tools/warm_start.py --config configs/demo.yaml        # what `make demo` runs
     python tools/warm_start.py --config configs/demo_tools.yaml --steps 240 --batch-size 32
@@ -9,15 +9,17 @@ warm start and the GRPO run always agree on the task. Then:
 
   1. builds the tiny random Qwen2 (`build_tiny_model`, size from --hidden/--layers/...; a chat
      task such as calculator gets the ChatML tokenizer with the tool-aware template),
-  2. trains it with teacher forcing (loss: mean token NLL over the target tokens only; examples
-     come from the task's training stream, which excludes the held-out set), AdamW, one jitted
-     step, a fixed number of steps. Targets: bare tasks `12+34=` -> `46<eos>`; chat tasks the
-     task's ideal conversation (calculator: call, result, answer) laid out by
-     `jgrpo.rollout.conversation.ChatFormat.encode` exactly as a rollout lays it out (same
-     prompt ids, tool schemas and reply ids), the loss on the assistant turns' ids only,
-  3. measures greedy held-out accuracy the way `jgrpo train` validates (same task.val),
-  4. writes an HF folder (config, safetensors, tokenizer) beside model.path and renames it into
-     place, with `warm_start.json` holding the settings, their hash and the results.
+  2. writes the SFT records (JSONL) of the task's training stream (which excludes the held-out
+     set), in training order: bare tasks `{"prompt": "12+34=", "completion": "46"}`, chat tasks
+     `{"messages": [...]}`, the task's ideal conversation (calculator: call, result, answer) or,
+     for --direct-fraction of them after --direct-after steps, a direct answer,
+  3. runs `jgrpo sft` on them (a config written beside them: the training config's data and
+     rollout sections, the model float32 without remat, sft.shuffle false so step i trains on
+     records i*B..(i+1)*B-1, AdamW with a cosine schedule): the loss on the target tokens only,
+     laid out exactly as a rollout lays them out; its final validation measures greedy held-out
+     accuracy the way `jgrpo train` validates (same task.val),
+  4. copies the run's final/ HF folder to model.path (atomically), with `warm_start.json`
+     holding the settings, their hash and the results.
 
 Deterministic: the same settings give the same bytes (fixed seeds, one compiled program, data in
 a fixed order). Cached: when model.path exists and its `warm_start.json` has the same settings
@@ -36,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-FORMAT_VERSION = 1
-"""Bump when this script's output for the same settings changes."""
+FORMAT_VERSION = 2
+"""Bump when this script's output for the same settings changes (2: trained by `jgrpo sft`)."""
 DIRECT_ANSWER = "The answer is {answer}."
 """A direct answer's text (`--direct-fraction`): its first token differs from a tool call's and
 is the same for every question, so choosing to answer rather than call the tool is one token's
@@ -115,39 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- data
 
 
-def encode(text: str) -> list[int]:
-    """The tiny model's tokenizer: byte b is id 4 + b (jgrpo.models.tiny.char_tokenizer)."""
-    return [4 + b for b in text.encode()]
-
-
-def make_sft_arrays(task, num_rows: int, tokenizer, direct=None):
-    """(input_ids [N, T] int32, loss_mask [N, T] f32) of the task's next `num_rows` training
-    examples, right-padded: bare tasks prompt ++ completion ++ EOS, chat tasks the ideal
-    conversation (`ChatFormat.encode`; `direct` [num_rows] bool: answered without the tool).
-    loss_mask is 1 on the target ids (completion and EOS; each assistant turn through its
-    end-of-turn id), aligned with the tokens they score."""
-    import numpy as np
-
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    examples = task.train.next_prompts(num_rows)
-    if task.needs_chat_template:
-        rows = chat_traces(task, examples, tokenizer, direct)
-    else:
-        rows = []
-        for ex in examples:
-            prompt = encode(task.format_prompt(ex))
-            target = encode(task.reference_completion(ex)) + [eos_id]
-            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
-    width = max(len(ids) for ids, _ in rows)
-    width = -(-width // 8) * 8
-    ids = np.full((num_rows, width), pad_id, np.int32)
-    mask = np.zeros((num_rows, width), np.float32)
-    for i, (row_ids, row_mask) in enumerate(rows):
-        ids[i, : len(row_ids)] = row_ids
-        mask[i, : len(row_mask)] = row_mask
-    return ids, mask
-
-
 def direct_rows(settings: Settings):
     """[steps x batch_size] bool: which SFT conversations answer at once (`direct_fraction`,
     none in the first `direct_after` steps), drawn from data_seed."""
@@ -167,110 +136,68 @@ def assistant_turns(task, example, direct: bool) -> list[dict]:
     return task.kind.reference_messages(example)
 
 
-def chat_traces(task, examples, tokenizer, direct=None) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss_mask) of each example's ideal conversation, as the rollout tokenises it: the
-    tools' schemas from the task's tool processes, the EOS as the stop id (checked: the first
-    trace starts with exactly the rollout's prompt ids). Where `direct[i]`, example i's
-    assistant answers at once (`DIRECT_ANSWER`, no tool call)."""
-    from jgrpo.rollout.conversation import ChatFormat
+def sft_records(settings: Settings, cfg) -> list[dict]:
+    """The SFT records of the task's next steps x batch_size training examples, in order."""
+    from jgrpo.tasks import make_task
 
-    if not hasattr(task.kind, "reference_messages"):
-        raise SystemExit(f"warm start: task {task.cfg.task!r} has no reference conversation")
-    schemas = task.tool_runner.schemas or None
-    chat = ChatFormat(tokenizer, [tokenizer.eos_token_id], schemas)
-    direct = [False] * len(examples) if direct is None else direct
-    rows = [
-        chat.encode(task.prompt_messages(ex) + assistant_turns(task, ex, d))
-        for ex, d in zip(examples, direct)
-    ]
-    prompt = task.format_prompt(examples[0], tokenizer, tools=schemas)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    assert rows[0][0][: len(prompt_ids)] == prompt_ids, prompt
-    return rows
+    s = settings
+    task = make_task(dataclasses.replace(cfg.data, use_chat_template=False), s.data_seed)
+    try:
+        examples = task.train.next_prompts(s.steps * s.batch_size)
+        if not task.needs_chat_template:
+            return [
+                {"prompt": task.format_prompt(ex), "completion": task.reference_completion(ex)}
+                for ex in examples
+            ]
+        if not hasattr(task.kind, "reference_messages"):
+            raise SystemExit(f"warm start: task {task.cfg.task!r} has no reference conversation")
+        return [
+            {"messages": task.prompt_messages(ex) + assistant_turns(task, ex, d)}
+            for ex, d in zip(examples, direct_rows(s))
+        ]
+    finally:
+        task.close()
+
+
+def sft_config(settings: Settings, cfg, base: Path, records: Path, length: int) -> dict:
+    """The `jgrpo sft` config of the warm start (module docstring, step 3)."""
+    from jgrpo.config import to_dict
+
+    s, full = settings, to_dict(cfg)
+    return {
+        "model": {
+            "path": str(base),
+            "dtype": "float32",
+            "compute_dtype": "float32",
+            "remat": "none",
+        },
+        "data": full["data"],
+        "rollout": full["rollout"],
+        "grpo": {"seed": cfg.grpo.seed, "val_num_generations": 1, "val_pass_at": [1]},
+        "optim": {
+            "learning_rate": s.learning_rate,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "warmup_steps": s.warmup_steps,
+            "weight_decay": s.weight_decay,
+            "max_grad_norm": 1.0,
+        },
+        "sft": {
+            "train_path": str(records),
+            "shuffle": False,
+            "seed": s.data_seed,
+            "batch_size": s.batch_size,
+            "max_num_steps": s.steps,
+            "max_seq_length": length,
+            "val_period": 0,
+            "val_at_end": True,
+        },
+        "checkpoint": {"save_period": 0},
+        "logging": {"tensorboard": False, "plot": False, "progress_bar": False},
+    }
 
 
 # ----------------------------------------------------------------------------- training
-
-
-def train_sft(settings: Settings, base_folder: Path, cfg, log=print):
-    """SFT the model of `base_folder`; returns (trained model, losses per step [steps])."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from flax import nnx
-
-    from jgrpo.config import ModelConfig
-    from jgrpo.models import load_policy
-    from jgrpo.rollout import load_tokenizer
-    from jgrpo.step import sequence_logprobs
-    from jgrpo.tasks import make_task
-
-    # float32 without remat: the TransformerConfig defaults the warm start always trained with
-    model = load_policy(ModelConfig(path=str(base_folder), compute_dtype="float32", remat="none"))
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    tokenizer = load_tokenizer(base_folder)
-
-    s = settings
-    data_cfg = dataclasses.replace(cfg.data, use_chat_template=False)
-    task = make_task(data_cfg, s.data_seed)
-    try:
-        ids, mask = make_sft_arrays(task, s.steps * s.batch_size, tokenizer, direct_rows(s))
-        if not task.needs_chat_template:
-            first = task.format_prompt(task.val[0]) + task.reference_completion(task.val[0])
-            assert encode(first) == tokenizer(first, add_special_tokens=False)["input_ids"], first
-    finally:
-        task.close()
-    ids = ids.reshape(s.steps, s.batch_size, -1)
-    mask = mask.reshape(s.steps, s.batch_size, -1)
-
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, s.learning_rate, s.warmup_steps, s.steps, end_value=0.1 * s.learning_rate
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=s.weight_decay)
-    )
-    opt_state = tx.init(params)
-
-    def loss_fn(params, ids_bt, mask_bt):
-        attention_bt = (ids_bt != tokenizer.pad_token_id) | (mask_bt > 0)
-        lp_bt = sequence_logprobs(graphdef, params, ids_bt, attention_bt, 1.0)
-        return -(lp_bt * mask_bt).sum() / mask_bt.sum()
-
-    @jax.jit
-    def train_step(params, opt_state, ids_bt, mask_bt):
-        loss, grads = jax.value_and_grad(loss_fn)(params, ids_bt, mask_bt)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    start = time.perf_counter()
-    for i in range(s.steps):
-        params, opt_state, loss = train_step(
-            params, opt_state, jnp.asarray(ids[i]), jnp.asarray(mask[i])
-        )
-        losses.append(loss)
-        if (i + 1) % max(1, s.steps // 10) == 0 or i == 0:
-            log(
-                f"  sft step {i + 1:5d}/{s.steps}  loss {float(loss):.4f}  "
-                f"({time.perf_counter() - start:.1f}s)"
-            )
-    nnx.update(model, nnx.State(params))
-    return model, np.asarray(jax.device_get(losses), np.float64)
-
-
-def evaluate_folder(cfg, folder: Path) -> float:
-    """Greedy held-out accuracy of the HF folder on the config's task (as `jgrpo eval`)."""
-    from jgrpo.config import ModelConfig
-    from jgrpo.export import evaluate
-
-    return evaluate(
-        cfg.replace(
-            model=ModelConfig(path=str(folder), dtype="float32"),
-            grpo=dataclasses.replace(cfg.grpo, val_num_generations=1, val_pass_at=(1,)),
-        )
-    )["val/accuracy"]
 
 
 def check_direct(settings: Settings, cfg) -> str | None:
@@ -300,17 +227,23 @@ def read_cached(out: Path) -> dict | None:
 
 
 def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=print) -> dict:
-    """Build the warm-start folder `out` (atomically, replacing a stale one); returns its record."""
+    """Build the warm-start folder `out` by `jgrpo sft` (atomically, replacing a stale one);
+    returns its record."""
+    import shutil
+
+    import yaml
+
+    from jgrpo import cli
     from jgrpo.files import atomic_folder
-    from jgrpo.models import save_pretrained
     from jgrpo.models.tiny import build_tiny_model
     from jgrpo.tasks import make_task
 
     # chat tasks (calculator) need builtin:tiny-qwen2-chat's tokenizer and tool-aware template
     chat = make_task(cfg.data, settings.data_seed, load_data=False).needs_chat_template
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
         base = build_tiny_model(
-            Path(tmp) / "base",
+            tmp / "base",
             seed=settings.init_seed,
             chat=chat,
             hidden_size=settings.hidden_size,
@@ -319,20 +252,49 @@ def build(settings: Settings, cfg, out: Path, *, evaluate: bool = True, log=prin
             num_key_value_heads=settings.num_kv_heads,
             intermediate_size=settings.intermediate_size,
         )
-        model, losses = train_sft(settings, base, cfg, log=log)
+        records = sft_records(settings, cfg)
+        (tmp / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        length = longest_record(records, base, cfg)
+        config = sft_config(settings, cfg, base, tmp / "records.jsonl", -(-length // 8) * 8)
+        config["sft"]["val_accuracy"] = evaluate
+        (tmp / "sft.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = ["sft", "--config", str(tmp / "sft.yaml"), "--run-dir", str(tmp / "run")]
+        code = cli.main(argv)
+        if code != 0:
+            raise SystemExit(f"warm start: jgrpo sft {' '.join(argv[1:])} exited {code}")
+        losses = [row["loss/total"] for row in map(json.loads, open(tmp / "run" / "metrics.jsonl"))]
+        summary = json.loads((tmp / "run" / "summary.json").read_text())
+        record = {
+            "settings": dataclasses.asdict(settings),
+            "key": settings.key(),
+            "loss_first": round(float(losses[0]), 6),
+            "loss_last": round(float(losses[-1]), 6),
+            "loss_every_10": [round(float(x), 6) for x in losses[::10]],
+        }
+        if evaluate and summary and "val/accuracy" in summary[-1]:
+            record["val_accuracy"] = summary[-1]["val/accuracy"]
         with atomic_folder(out, overwrite=True) as folder:
-            save_pretrained(model, folder, source=base)
-            record = {
-                "settings": dataclasses.asdict(settings),
-                "key": settings.key(),
-                "loss_first": round(float(losses[0]), 6),
-                "loss_last": round(float(losses[-1]), 6),
-                "loss_every_10": [round(float(x), 6) for x in losses[::10]],
-            }
-            if evaluate:
-                record["val_accuracy"] = evaluate_folder(cfg, folder)
+            shutil.copytree(tmp / "run" / "final", folder, dirs_exist_ok=True)
             (folder / SETTINGS_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
+
+
+def longest_record(records: list[dict], base: Path, cfg) -> int:
+    """Tokens of the longest record as `jgrpo sft` lays it out (with the task's tool schemas):
+    the most of the 64 records longest as JSON text (the char tokenizer spends a token per
+    byte, so these hold the longest of each layout; rendering all of them twice took minutes)."""
+    from jgrpo.rollout import load_tokenizer
+    from jgrpo.sft_data import Encoder
+    from jgrpo.tasks import make_task
+
+    task = make_task(cfg.data, 0, load_data=False)
+    try:
+        tools = task.tool_runner.schemas if task.tool_runner.active else None
+    finally:
+        task.close()
+    encoder = Encoder(load_tokenizer(base), cfg, tools)
+    longest = sorted(records, key=lambda r: len(json.dumps(r)), reverse=True)[:64]
+    return max(len(encoder.record(r, "record")[0]) for r in longest)
 
 
 def main(argv=None) -> int:

@@ -52,6 +52,7 @@ from jgrpo.config.sections import (
     OverlongBufferConfig,
     RewardFunctionConfig,
     RolloutConfig,
+    SFTConfig,
     ValSetConfig,
 )
 
@@ -81,6 +82,7 @@ __all__ = [
     "OverlongBufferConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "SFTConfig",
     "ValSetConfig",
     "apply_overrides",
     "check_resume_compatible",

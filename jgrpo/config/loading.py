@@ -65,6 +65,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(tp, type) and isinstance(value, tp):
             return value
+        if isinstance(value, str) and getattr(tp, "STRING_FORM", None):
+            value = {tp.STRING_FORM: value}  # e.g. a reward term given as `module:function`
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return from_dict(tp, value, prefix=key)

@@ -56,6 +56,9 @@ AT_LEAST_ONE = (
     "data.tool_processes",
     "rollout.max_turns",
     "model.logprob_chunk_size",
+    "sft.batch_size",
+    "sft.max_num_steps",
+    "sft.num_microbatches",
 )
 """Integer keys that must be >= 1."""
 AT_LEAST_ZERO = (
@@ -66,6 +69,8 @@ AT_LEAST_ZERO = (
     "optim.warmup_steps",
     "data.max_operand",
     "data.min_operand",
+    "model.attention_block_size",
+    "sft.val_period",
 )
 """Integer keys that must be >= 0 (0 = off for the periods)."""
 AT_MOST = (
@@ -107,12 +112,13 @@ def validate(cfg: Config) -> Config:
     check_rollout(cfg)
     check_optim(cfg.optim)
     check_lora(cfg.model.lora)
-    check_moe(cfg.model.moe)
+    check_moe(cfg)
     check_mesh(cfg.mesh)
     check_dapo(cfg)
     check_evaluation(cfg)
     check_turns(cfg)
     check_distillation(cfg)
+    check_sft(cfg)
     return cfg
 
 
@@ -387,11 +393,6 @@ def check_rollout(cfg: Config) -> None:
         ro.decode_slots is None or ro.decode_slots >= 1,
         f"rollout.decode_slots: must be >= 1 (or null = every row), got {ro.decode_slots}",
     )
-    _require(
-        not (ro.compact_decode and ro.decode_slots is not None),
-        "rollout.compact_decode: narrows the every-row batch; with rollout.decode_slots the slots "
-        "stay full instead: set one of them",
-    )
     if ro.max_staleness > 0:
         _require(
             cfg.loss.use_importance_sampling_correction,
@@ -415,18 +416,29 @@ def check_optim(opt: OptimConfig) -> None:
     _require(opt.eps > 0, "optim.eps: must be > 0")
     _require(opt.weight_decay >= 0, "optim.weight_decay: must be >= 0")
     _require(
+        0 <= opt.min_lr_ratio <= 1,
+        f"optim.min_lr_ratio: must lie in [0, 1], got {opt.min_lr_ratio}",
+    )
+    _require(
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",
     )
 
 
-def check_moe(moe) -> None:
-    """model.moe: non-negative router loss weights; router replay is not implemented yet."""
+def check_moe(cfg: Config) -> None:
+    """model.moe: non-negative router loss weights; recorded routing (router replay) covers
+    single-turn rollouts only."""
+    moe = cfg.model.moe
     aux = moe.router_aux_loss_coef
     _require(aux is None or aux >= 0, f"model.moe.router_aux_loss_coef: must be >= 0, got {aux}")
     z = moe.router_z_loss_coef
     _require(z >= 0, f"model.moe.router_z_loss_coef: must be >= 0, got {z}")
-    _require(not moe.router_replay, "model.moe.router_replay: true is not supported yet")
+    key = "router_replay" if moe.router_replay else "record_routing"
+    _require(
+        not (moe.router_replay or moe.record_routing) or not needs_chat_turns(cfg),
+        f"model.moe.{key}: recorded routing covers single-turn rollouts only; allowed with "
+        "rollout.max_turns: 1 and no data.tools, data.environment or calculator task",
+    )
 
 
 def check_lora(lora: LoRAConfig) -> None:
@@ -543,6 +555,7 @@ def needs_chat_turns(cfg: Config) -> bool:
     chat template must end a turn with a token and give reply ids (checked before a load)."""
     data = cfg.data
     tools = bool(data.tools) or data.environment is not None or data.task == "calculator"
+    tools = tools or data.agent is not None
     return cfg.rollout.max_turns > 1 or tools
 
 
@@ -561,8 +574,29 @@ def check_turns(cfg: Config) -> None:
             ":" in data.environment and all(data.environment.split(":", 1)),
             f"data.environment: {data.environment!r} must look like module:Class",
         )
+    if data.agent is not None:
+        if isinstance(data.agent, str):
+            _require(
+                ":" in data.agent and all(data.agent.split(":", 1)),
+                f"data.agent: {data.agent!r} must look like module:function",
+            )
+        _require(
+            not data.tools and data.environment is None,
+            "data.agent: an agent runs its own tools and environment; give data.agent or "
+            "data.tools / data.environment, not both",
+        )
+        _require(
+            not cfg.grpo.use_dynamic_sampling,
+            "data.agent: grpo.use_dynamic_sampling is not supported with agents (a rollout may "
+            "make several rows); set it to false",
+        )
+        _require(
+            data.agent_timeout_s > 0,
+            f"data.agent_timeout_s: must be > 0, got {data.agent_timeout_s}",
+        )
     _require(
         ro.max_turns == 1
+        or data.agent is not None
         or data.tools
         or data.environment is not None
         or data.task == "calculator",
@@ -587,3 +621,38 @@ def check_distillation(cfg: Config) -> None:
         math.isfinite(d.coef) and d.coef > 0,
         f"distillation.coef: must be a finite number > 0, got {d.coef}",
     )
+
+
+def check_sft(cfg: Config) -> None:
+    """sft: the row length, the batch and its split, the seed, the packing budget."""
+    s = cfg.sft
+    _require(
+        2 <= s.max_seq_length <= MAX_SEQUENCE,
+        f"sft.max_seq_length: must lie in [2, {MAX_SEQUENCE}], got {s.max_seq_length}",
+    )
+    _require(
+        s.batch_size <= MAX_BATCH_ROWS,
+        f"sft.batch_size: must be <= {MAX_BATCH_ROWS}, got {s.batch_size}",
+    )
+    _require(
+        s.batch_size * s.max_seq_length <= MAX_BATCH_TOKENS,
+        f"sft.batch_size x sft.max_seq_length: must be <= {MAX_BATCH_TOKENS} tokens, got "
+        f"{s.batch_size * s.max_seq_length}",
+    )
+    _require(
+        s.batch_size % s.num_microbatches == 0,
+        f"sft.num_microbatches: {s.num_microbatches} must divide sft.batch_size = {s.batch_size}",
+    )
+    _require(0 <= s.seed <= MAX_SEED, f"sft.seed: must lie in [0, {MAX_SEED}], got {s.seed}")
+    if s.packing_budget is not None:
+        _require(
+            s.sequence_packing,
+            "sft.packing_budget: set, but sft.sequence_packing is false (nothing is packed)",
+        )
+        _require(
+            s.max_seq_length <= s.packing_budget <= MAX_SEQUENCE,
+            f"sft.packing_budget: must lie in [sft.max_seq_length = {s.max_seq_length}, "
+            f"{MAX_SEQUENCE}], got {s.packing_budget}",
+        )
+    for key in ("messages_key", "prompt_key", "completion_key"):
+        _require(bool(getattr(s, key)), f"sft.{key}: must be a non-empty column name")

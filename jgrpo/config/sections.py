@@ -55,7 +55,9 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     """Router z-loss weight: mean logsumexp(router logits)^2 (0 = off)."""
     router_replay: bool = False
-    """Train on the sampler's expert choice per token (reserved: not implemented yet)."""
+    """Train step routes each generated token to the experts the sampler recorded for it."""
+    record_routing: bool = False
+    """Record the sampler's experts for moe/routing_mismatch only, never replayed."""
 
 
 @dataclasses.dataclass(**_FROZEN)
@@ -63,7 +65,7 @@ class ModelConfig:
     """The policy model (and its reference copy)."""
 
     path: str = "builtin:tiny-qwen2"
-    """HF folder, hub id, `smollm2`, `builtin:tiny-qwen2` (or `-chat`), `builtin:tiny-qwen3-moe`."""
+    """HF folder, hub id, `smollm2` or `builtin:NAME` (tiny-qwen2(-chat), tiny-{qwen3,glm4}-moe)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter (master weight) dtype: float32 = 4 bytes/param, bfloat16 (pure bf16) = 2."""
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -72,12 +74,14 @@ class ModelConfig:
     """Layer recompute in the backward: full keeps layer inputs only, dots also matmul outputs."""
     logprob_chunk_size: int = 128
     """Tokens (along T) per LM-head + log-softmax chunk: memory rows x chunk x vocab x 4 bytes."""
+    attention_block_size: int = 1024
+    """Rows longer than this use blockwise attention (memory linear in length; 0 = never)."""
     kernels: Literal["auto", "cpu", "portable"] = "auto"
     """Platform kernels (jgrpo.models.kernels): auto = cpu on the CPU backend, else portable."""
     lora: LoRAConfig = LoRAConfig()
     """LoRA adapters (rank 0 = off); adapters are float32, the base keeps model.dtype."""
     moe: MoEConfig = MoEConfig()
-    """Router losses of Mixture-of-Experts models."""
+    """Router losses and router replay of Mixture-of-Experts models."""
 
     def resolved_compute_dtype(self, platform: str) -> str:
         """The compute dtype on `platform` (jax.default_backend(): cpu | gpu | tpu | ...)."""
@@ -91,7 +95,12 @@ class ModelConfig:
 @dataclasses.dataclass(**_FROZEN)
 class RewardFunctionConfig:
     """One weighted reward term: a function (see `jgrpo.tasks.rewards` for the signature and
-    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`)."""
+    None rule) or a sequence-classification reward model (`jgrpo.models.reward_model`).
+
+    In YAML a bare string `module:function` is short for `{function: module:function}`."""
+
+    STRING_FORM: ClassVar[str] = "function"
+    """The field a bare string sets."""
 
     function: Union[str, Callable[..., Any], None] = None
     """`module:function` (or, from Python, the function): fn(prompts, completions, **columns)."""
@@ -246,6 +255,10 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+    agent: Union[str, Callable[..., Any], None] = None
+    """`module:function`: an async agent(client, record) that runs each rollout (docs/agents.md)."""
+    agent_timeout_s: float = 300.0
+    """An agent's whole rollout running past this fails (counted; its rollout holds no sample)."""
 
     @property
     def wraps_string_prompts(self) -> bool:
@@ -329,8 +342,9 @@ class GRPOConfig:
     """Informative = the unshaped reward (or the verifier's correct) is not all equal."""
     batch_multiplier: float = 1.0
     """Each generation batch draws ceil(P x batch_multiplier) prompts (dynamic sampling)."""
-    sequence_packing: bool = False
-    """Train step over the rows packed first-fit decreasing: the same loss, less padding."""
+    sequence_packing: bool = True
+    """Train step over the rows packed first-fit decreasing: the same loss (float rounding
+    aside), less padding; false = the padded [B, T] rows (docs/packing.md)."""
     packing_budget: Optional[int] = None
     """Tokens per packed row (None = the batch's row width: prompt width + max_new_tokens)."""
 
@@ -399,6 +413,8 @@ class OptimConfig:
     """Decay after warmup, over grpo.max_num_steps * grpo.num_minibatches updates."""
     warmup_steps: int = 0
     """Linear warmup updates."""
+    min_lr_ratio: float = 0.0
+    """Where linear and cosine decay end: this fraction of the peak learning rate (0 = 0)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     b1: float = 0.9
@@ -441,12 +457,14 @@ class RolloutConfig:
     """Completion length cap (multi-turn: every turn and reply together); hitting it truncates."""
     prompt_bucket: int = 32
     """Prompt lengths are padded up to a multiple of this (fewer recompiles)."""
-    shared_prefill: bool = False
-    """Prefill each prompt once for its G rows (prefill work / G; logits may differ by rounding)."""
+    shared_prefill: bool = True
+    """Prefill each prompt once for its G rows (prefill work / G; float32 logits may differ by a
+    few ulps from per-row prefill, docs/sampler.md); false = every row prefilled."""
     decode_slots: Optional[int] = None
     """Rows decoded at once per sampler call; a stopped row's slot takes the next (None = all)."""
-    compact_decode: bool = False
-    """Decode every row at once, narrowing the batch to 1/2, 1/4, 1/8 as rows stop (same tokens)."""
+    compact_decode: bool = True
+    """Narrow the decode batch to 1/2, 1/4, 1/8 as rows stop (same tokens): every row at once,
+    or with decode_slots the slots once no row waits; false = full width to the end."""
     max_turns: int = 1
     """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
     max_tool_response_tokens: Optional[int] = 256
@@ -513,6 +531,55 @@ class DistillationConfig:
 
 
 @dataclasses.dataclass(**_FROZEN)
+class SFTConfig:
+    """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
+    the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
+    checkpoint and logging apply as they do to `jgrpo train`; data.* names the task whose tools
+    and prompt rendering the records take, and whose held-out set gives greedy accuracy."""
+
+    train_path: Optional[str] = None
+    """Training records: a file (.jsonl/.json/.parquet/.csv), a save_to_disk folder or a hub
+    dataset id (split train). A record is a chat `messages` list, or a `prompt` and a
+    `completion` (strings, or message lists). None = the data task's reference answers
+    (built-in tasks with one: arithmetic, countdown, gsm8k, calculator), in its training order."""
+    val_path: Optional[str] = None
+    """Validation records (same forms; split test or validation) for the validation loss. None
+    = none, or with train_path None the references of the data task's held-out examples."""
+    dataset_config: Optional[str] = None
+    """The hub dataset's configuration name (both paths), if it has several."""
+    messages_key: str = "messages"
+    """Column of a record's chat messages (role/content dicts; tool turns allowed)."""
+    prompt_key: str = "prompt"
+    """Column of a prompt/completion record's prompt."""
+    completion_key: str = "completion"
+    """Column of a prompt/completion record's completion (the target)."""
+    max_seq_length: int = 1024
+    """T: tokens per row. A longer record is an error naming it (nothing is truncated)."""
+    batch_size: int = 32
+    """Records per optimizer step (the loss is the mean over all their assistant tokens)."""
+    max_num_steps: int = 100
+    """Optimizer steps of the run (the schedule of optim.* spans them)."""
+    num_microbatches: int = 1
+    """Gradient accumulation: each step's rows in this many forward/backward chunks."""
+    sequence_packing: bool = False
+    """Pack the step's records into rows of sft.packing_budget tokens (docs/packing.md)."""
+    packing_budget: Optional[int] = None
+    """Tokens per packed row (None = sft.max_seq_length)."""
+    seed: int = 0
+    """Seed of the record order (shuffled per epoch) and of fresh LoRA adapters."""
+    shuffle: bool = True
+    """Reshuffle the records every epoch (false: file order, epoch after epoch)."""
+    val_period: int = 50
+    """Validate every this many steps (0 = only at the end, with sft.val_at_end)."""
+    val_at_end: bool = True
+    """Validate after the last step."""
+    val_accuracy: Optional[bool] = None
+    """Validation also measures greedy accuracy on data's held-out set (tasks with a verifier),
+    sampled as `jgrpo eval` samples it (rollout.*). None = when the records are the data task's
+    own (sft.train_path unset, no train_dataset)."""
+
+
+@dataclasses.dataclass(**_FROZEN)
 class Config:
     """A whole jgrpo run."""
 
@@ -536,6 +603,8 @@ class Config:
     """Metric sinks."""
     distillation: DistillationConfig = DistillationConfig()
     """On-policy distillation from a teacher (off unless distillation.teacher is set)."""
+    sft: SFTConfig = SFTConfig()
+    """Supervised fine-tuning (`jgrpo sft`); `jgrpo train` ignores it."""
 
     @property
     def skip_prev(self) -> bool:

@@ -85,7 +85,8 @@ def config_from_hf(
 ) -> TransformerConfig:
     """The TransformerConfig of an HF config.json dict. `dtype` is the compute dtype,
     `param_dtype` the storage dtype (None = `dtype`: a pure float32 or bfloat16 model);
-    `options` are the remaining execution fields (remat, logprob_chunk_size, kernels)."""
+    `options` are the remaining execution fields (remat, logprob_chunk_size, kernels,
+    attention_block_size)."""
     family = hf.get("model_type")
     if family not in _FAMILIES:
         raise ModelFormatError(unsupported_model_type(family))

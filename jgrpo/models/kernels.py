@@ -7,7 +7,9 @@ platform. The pieces: attention (forward, prefill, decode), the KV cache layout,
 argmax, Gumbel noise, uint16 views of 16-bit stacks. "cpu" is tuned for XLA:CPU (einsum
 attention over [b,k,t,g,s] scores, keys [b,k,h,s] / values [b,k,s,h], trace-time RoPE tables,
 max + min-index argmax, threefry written out, `from_bits`); "portable" is the idiomatic GPU/TPU
-code (jax.nn.dot_product_attention, a [b,s,k,h] cache, run-time RoPE, jnp.argmax, random.gumbel).
+code (jax.nn.dot_product_attention, a [b,s,k,h] cache, run-time RoPE, jnp.argmax, random.gumbel),
+whose attention is cuDNN's on CUDA where it takes the call (prefill: causal flash attention;
+decode: per-row key lengths, so only the live part of the cache is read) and XLA's elsewhere.
 
 Contract: both paths compute the same math and differ in float rounding only; the Gumbel noise
 is bit-identical and both argmaxes return the first index of the maximum, so a key draws the
@@ -135,7 +137,9 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
     attend its query over the first s = mask_bs.shape[1] slots where mask_bs -> (out_b1nh in
     q's dtype, keys, values). Each path's math is its `attention`'s (float32 softmax,
     probabilities cast to the cache dtype before the value dot), so in bf16 the sampler rounds
-    as the trainer's forward does."""
+    as the trainer's forward does. The portable path is `attend_live` with each row's key
+    length slot + 1: on CUDA cuDNN reads only the slots written so far (the masked prompt
+    padding aside); elsewhere XLA's masked softmax over the s slots, the same numbers."""
     zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
     s = mask_bs.shape[1]
     rows_b = jnp.arange(q_b1nh.shape[0])  # with one slot per row (slot [b]): a scatter
@@ -147,12 +151,10 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
         else:
             keys = jax.lax.dynamic_update_slice(keys, k_new, (zero, slot, zero, zero))
             values = jax.lax.dynamic_update_slice(values, v_new, (zero, slot, zero, zero))
-        out_b1nh = jax.nn.dot_product_attention(
-            q_b1nh.astype(keys.dtype),
-            keys[:, :s],
-            values[:, :s],
-            mask=mask_bs[:, None, None, :],
-            implementation="xla",
+        lengths_b = jnp.broadcast_to(slot + 1, (q_b1nh.shape[0],))
+        impl = _decode_implementation(keys)
+        out_b1nh = attend_live(
+            q_b1nh.astype(keys.dtype), keys[:, :s], values[:, :s], mask_bs, lengths_b, impl
         )
         return out_b1nh.astype(q_b1nh.dtype), keys, values
 
@@ -175,6 +177,32 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
     probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(values.dtype)
     out_bkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgs, values[:, :, :s])
     return out_bkgh.astype(q_b1nh.dtype).reshape(b, 1, n, h), keys, values
+
+
+def attend_live(q_b1nh, k_bskh, v_bskh, mask_bs, lengths_b, implementation):
+    """One query per row over the cache's live part: slots [0, lengths_b) where mask_bs (the
+    caller promises mask_bs is False from lengths_b on) -> [b, 1, n, h] in q's dtype. The
+    portable decode attention: `jax.nn.dot_product_attention` with per-row key/value lengths,
+    so cuDNN (`implementation="cudnn"`) reads only each row's first lengths_b slots; "xla"
+    (or None) computes the same masked softmax over all s slots."""
+    b = q_b1nh.shape[0]
+    return jax.nn.dot_product_attention(
+        q_b1nh,
+        k_bskh,
+        v_bskh,
+        mask=mask_bs[:, None, None, :],
+        query_seq_lengths=jnp.ones((b,), jnp.int32),
+        key_value_seq_lengths=lengths_b.astype(jnp.int32),
+        implementation=implementation,
+    )
+
+
+def _decode_implementation(keys_bskh) -> Literal["cudnn", "xla"]:
+    """cuDNN for the portable decode attention where its kernel takes the call (CUDA, a
+    bf16/fp16 cache, head dim a multiple of 8 up to 128); XLA otherwise (CPU, TPU, float32)."""
+    h = keys_bskh.shape[-1]
+    eligible = keys_bskh.dtype in (jnp.bfloat16, jnp.float16) and h % 8 == 0 and h <= 128
+    return "cudnn" if eligible and _on_cuda() else "xla"
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -75,22 +75,15 @@ def with_lora(model_cfg, lora_cfg):
     return dataclasses.replace(model_cfg, lora=spec)
 
 
-MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""Modules that may carry adapters on an MoE model (attention only: docs/moe.md)."""
-
-
 def check_targets(model_cfg, spec: LoRASpec | None) -> None:
-    """ConfigError when `spec` targets a projection the model's family cannot adapt."""
+    """ConfigError when `spec` targets a projection the model's family cannot adapt (MoE:
+    attention only, `moe_hf.lora_target_error`; the pre-flight checks it before any load)."""
     from jgrpo.config import ConfigError
+    from jgrpo.models.moe_hf import lora_target_error
 
-    if spec is None or getattr(model_cfg, "moe", None) is None:
-        return
-    extra = [m for m in spec.target_modules if m not in MOE_TARGETS]
-    if extra:
-        raise ConfigError(
-            f"model.lora.target_modules: {extra} are not supported on {model_cfg.family} "
-            f"(MoE: adapters on attention only; allowed: {', '.join(MOE_TARGETS)})"
-        )
+    error = None if spec is None else lora_target_error(model_cfg.family, spec.target_modules)
+    if error:
+        raise ConfigError(error)
 
 
 def a_key(weight: str) -> str:

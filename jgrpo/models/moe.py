@@ -8,9 +8,10 @@ y = sum_k g_k SwiGLU_{ids_k}(x) (+ the shared experts' SwiGLU). Router math is f
 Dropless (no capacity) experts, two paths behind the kernel switch (`EXPERT_PATHS`):
 `grouped` sorts the t*k (token, choice) pairs by expert and runs `jax.lax.ragged_dot`;
 `dense` runs every expert on every token, mixed by a [t, e] gate matrix.
-Router replay: `route(..., expert_ids_tk=ids)` takes a given choice and computes its gates
-from the current router (differentiable). Legend: t tokens, d model, f expert mlp, e experts,
-k chosen per token, l layers."""
+Router replay: `route(..., expert_ids_tk=ids)` takes a given choice (rows of -1: the router's
+own) and computes its gates from the current router (differentiable); `routing_mismatch`
+counts the tokens whose own choice differs from a recorded one. Legend: t tokens, d model,
+f expert mlp, e experts, k chosen per token, l layers."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class Routing(NamedTuple):
     load-balancing loss and the entropy metric."""
     logits_te: jax.Array
     """float32 [t, e] router logits (z-loss)."""
+    chosen_tk: Optional[jax.Array] = None
+    """int32 [t, k] the router's own choice (`expert_ids_tk` unless a choice was replayed)."""
 
 
 class RouterStats(NamedTuple):
@@ -94,28 +97,56 @@ class RouterStats(NamedTuple):
 
 
 def route(x_td, router_de, bias_e, spec: MoESpec, expert_ids_tk=None) -> Routing:
-    """The router of `spec` on tokens x_td -> Routing; `expert_ids_tk` replays a given choice."""
+    """The router of `spec` on tokens x_td -> Routing. `expert_ids_tk` replays a given choice:
+    rows whose first id is -1 (not recorded) take the router's own."""
     logits_te = jnp.dot(
         x_td.astype(jnp.float32), router_de.astype(jnp.float32), precision="highest"
     )
     k = spec.top_k
     if spec.router == "softmax":
         probs_te = jax.nn.softmax(logits_te, axis=-1)
-        if expert_ids_tk is None:
-            _, expert_ids_tk = jax.lax.top_k(probs_te, k)
-        gates_tk = jnp.take_along_axis(probs_te, expert_ids_tk, axis=-1)
+        _, chosen_tk = jax.lax.top_k(probs_te, k)
+        ids_tk = _replayed(expert_ids_tk, chosen_tk)
+        gates_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
         if spec.norm_topk_prob:
             gates_tk = gates_tk / jnp.sum(gates_tk, axis=-1, keepdims=True)
-        return Routing(expert_ids_tk.astype(jnp.int32), gates_tk, probs_te, logits_te)
+        return Routing(ids_tk, gates_tk, probs_te, logits_te, chosen_tk.astype(jnp.int32))
     scores_te = jax.nn.sigmoid(logits_te)
-    if expert_ids_tk is None:
-        expert_ids_tk = _grouped_top_k(scores_te + bias_e.astype(jnp.float32), spec)
-    gates_tk = jnp.take_along_axis(scores_te, expert_ids_tk, axis=-1)
+    chosen_tk = _grouped_top_k(scores_te + bias_e.astype(jnp.float32), spec)
+    ids_tk = _replayed(expert_ids_tk, chosen_tk)
+    gates_tk = jnp.take_along_axis(scores_te, ids_tk, axis=-1)
     if spec.norm_topk_prob:
         gates_tk = gates_tk / (jnp.sum(gates_tk, axis=-1, keepdims=True) + 1e-20)
     gates_tk = gates_tk * spec.routed_scaling
     probs_te = scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
-    return Routing(expert_ids_tk.astype(jnp.int32), gates_tk, probs_te, logits_te)
+    return Routing(ids_tk, gates_tk, probs_te, logits_te, chosen_tk.astype(jnp.int32))
+
+
+def _replayed(given_tk, chosen_tk):
+    """int32 [t, k]: the given ids where recorded (first id >= 0), else the router's own."""
+    chosen_tk = chosen_tk.astype(jnp.int32)
+    if given_tk is None:
+        return chosen_tk
+    given_tk = given_tk.astype(jnp.int32)
+    return jnp.where(given_tk[:, :1] >= 0, given_tk, chosen_tk)
+
+
+RECORDED_ID_DTYPE = jnp.int16
+"""Recorded expert ids (router replay) travel as int16, [tokens, l_moe, k] per batch: MoE models
+have far fewer than 2^15 experts (the sampler refuses more)."""
+
+
+def expert_rows(ids_l_b_k):
+    """[l_moe, b, ..., k] expert ids (a forward's) -> [b, ..., l_moe, k] RECORDED_ID_DTYPE."""
+    return jnp.moveaxis(ids_l_b_k, 0, -2).astype(RECORDED_ID_DTYPE)
+
+
+def routing_mismatch(chosen_tk, recorded_tk):
+    """bool [t]: the token was recorded (first id >= 0) and its chosen top-k set differs from
+    the recorded one (order ignored)."""
+    recorded_tk = recorded_tk.astype(jnp.int32)
+    differ = jnp.any(jnp.sort(chosen_tk, axis=-1) != jnp.sort(recorded_tk, axis=-1), axis=-1)
+    return differ & (recorded_tk[:, 0] >= 0)
 
 
 def _grouped_top_k(choice_te, spec: MoESpec):

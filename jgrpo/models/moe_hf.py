@@ -18,6 +18,21 @@ import numpy as np
 
 MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 """HF model_type -> architecture of the MoE families."""
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""PEFT module names that may carry LoRA adapters on an MoE model: attention only (no adapters
+on the experts, the router, the shared experts or the dense MLP layers; docs/moe.md)."""
+
+
+def lora_target_error(model_type, target_modules) -> str | None:
+    """The one-line refusal of LoRA `target_modules` an MoE family cannot adapt (None: fine;
+    dense families take every module)."""
+    extra = [m for m in target_modules if m not in LORA_MODULES]
+    if model_type not in MOE_FAMILIES or not extra:
+        return None
+    return (
+        f"model.lora.target_modules: {extra} are not supported on {model_type} (MoE: adapters "
+        f"on attention only, not on the experts or MLPs; allowed: {', '.join(LORA_MODULES)})"
+    )
 
 
 def _num_experts(hf: dict) -> int:

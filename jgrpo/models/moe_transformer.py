@@ -24,6 +24,7 @@ from flax import nnx
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
 from jgrpo.models import moe as moe_lib
+from jgrpo.models.blockwise import RowMask
 from jgrpo.models.kernels import resolve_kernels
 from jgrpo.models.transformer import (
     REMAT_POLICIES,
@@ -62,6 +63,9 @@ class MoEOutput(NamedTuple):
     """int32 [l_moe, b, t, k] experts chosen per token per MoE layer."""
     stats: moe_lib.RouterStats
     """[l_moe, ...] sums over the counted tokens (`moe.aux_losses`, `moe.moe_metrics`)."""
+    mismatch: Optional[jax.Array] = None
+    """int32 [b, t] MoE layers whose own top-k set differs from the recorded one
+    (`moe.routing_mismatch`; 0 where nothing was recorded); None without recorded ids."""
 
 
 def layer_runs(sparse: tuple[bool, ...]) -> list[tuple[bool, int, int, int]]:
@@ -199,19 +203,20 @@ class MoETransformer(Transformer):
             positions_bt = jnp.maximum(jnp.cumsum(mask_bt, axis=-1) - 1, 0)
             positions_below = t
         rope = rope_tables(rope_cfg, positions_bt, num_positions=positions_below)
-        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & mask_bt[:, None, :]
-        if segments is not None:
-            mask_bts &= segments[:, :, None] == segments[:, None, :]
-        return mask_bts, rope
+        return RowMask(mask_bt, segments), rope
 
-    def _run_layers(self, x_btd, mask_bts, rope, counted_bt, use_lora=True, expert_ids=None):
+    def _run_layers(
+        self, x_btd, mask, rope, counted_bt, use_lora=True, expert_ids=None, replay=True
+    ):
         """Every layer on x_btd -> (x_btd, per-layer (k, v) [l, b, t, k, h] each, MoEOutput or
-        None). `counted_bt`: the tokens the router stats count."""
+        None). `counted_bt`: the tokens the router stats count. `expert_ids` [l_moe, b, t, k]
+        (-1 rows: not recorded): recorded routing, replayed when `replay`, and compared with
+        the router's own choice either way (MoEOutput.mismatch)."""
         cfg, spec = self.cfg, self.cfg.moe
         path = resolve_kernels(cfg.kernels)
         attn_stack = self._layer_params(use_lora)
         mask_t = counted_bt.reshape(-1)
-        keys, values, ids_out, stats_out = [], [], [], []
+        keys, values, ids_out, stats_out, differ_out = [], [], [], [], []
         for sparse, i0, i1, j0 in layer_runs(spec.sparse_layers):
 
             def layer(x_btd, xs, sparse=sparse):
@@ -219,15 +224,27 @@ class MoETransformer(Transformer):
                 p, m = cast_floats(p, cfg.jnp_dtype), cast_floats(m, cfg.jnp_dtype)
                 x_btd = self._constrain(x_btd)
                 q, k, v = _qkv(p, cfg, x_btd, rope)
-                attn_btnh = attention(q, k, v, mask_bts, cfg.kernels, causal=True)
+                attn_btnh = attention(q, k, v, mask, cfg)
                 x_btd, routing = _mlp(
-                    p, m, cfg, x_btd, attn_btnh, sparse, path, ids, self.expert_parallel
+                    p,
+                    m,
+                    cfg,
+                    x_btd,
+                    attn_btnh,
+                    sparse,
+                    path,
+                    ids if replay else None,
+                    self.expert_parallel,
                 )
                 out = (k, v)
                 if sparse:
                     b, t = x_btd.shape[:2]
                     ids_btk = routing.expert_ids_tk.reshape(b, t, -1)
                     out += (ids_btk, moe_lib.router_stats(routing, mask_t, spec.num_experts))
+                    if ids is not None:
+                        rec_tk = ids.reshape(b * t, -1)
+                        differ = moe_lib.routing_mismatch(routing.chosen_tk, rec_tk)
+                        out += (differ.reshape(b, t).astype(jnp.int32),)
                 return self._constrain(x_btd), out
 
             if cfg.remat != "none":
@@ -242,9 +259,12 @@ class MoETransformer(Transformer):
             if sparse:
                 ids_out.append(out[2])
                 stats_out.append(out[3])
+                if expert_ids is not None:
+                    differ_out.append(jnp.sum(out[4], axis=0))
         routed = None
         if ids_out:
-            routed = MoEOutput(jnp.concatenate(ids_out), moe_lib.stack_stats(stats_out))
+            mismatch = sum(differ_out) if differ_out else None
+            routed = MoEOutput(jnp.concatenate(ids_out), moe_lib.stack_stats(stats_out), mismatch)
         return x_btd, (jnp.concatenate(keys), jnp.concatenate(values)), routed
 
     # ------------------------------------------------------------------------- forward
@@ -256,34 +276,44 @@ class MoETransformer(Transformer):
         cfg = self.cfg
         b, t = input_ids_bt.shape
         if segments is None:
-            mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+            mask, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
             counted_bt = (
                 jnp.ones((b, t), jnp.bool_) if attention_mask_bt is None else attention_mask_bt
             )
         else:
             positions_bt, segments_bt = segments
-            mask_bts, rope = self._attention_inputs(
+            mask, rope = self._attention_inputs(
                 input_ids_bt, positions_bt, segments_bt > 0, t, segments_bt
             )
             counted_bt = segments_bt > 0
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(cfg.jnp_dtype)
         hand_over = self.__dict__.get("_routing_hand_over")
         ids_in = None if hand_over is None else hand_over.get("expert_ids")
+        replay = hand_over is None or hand_over.get("replay", True)
         x_btd, _, routed = self._run_layers(
-            self._constrain(x_btd), mask_bts, rope, counted_bt, use_lora, ids_in
+            self._constrain(x_btd), mask, rope, counted_bt, use_lora, ids_in, replay
         )
         if hand_over is not None:
             hand_over["out"] = routed
         return x_btd
 
     def token_logprobs_routed(
-        self, input_ids_bt, attention_mask_bt=None, temperature=1.0, *, expert_ids=None, **kwargs
+        self,
+        input_ids_bt,
+        attention_mask_bt=None,
+        temperature=1.0,
+        *,
+        expert_ids=None,
+        replay=True,
+        **kwargs,
     ) -> tuple[jax.Array, MoEOutput]:
         """`token_logprobs` (same arguments) -> (logprobs, MoEOutput of that forward);
-        `expert_ids` [l_moe, b, t, k] replays a routing (the sampler's), else the router
-        chooses. (The ids and stats are handed from `_hidden` through a per-call entry of the
-        instance dict, removed before returning: `token_logprobs` keeps its signature.)"""
-        self.__dict__["_routing_hand_over"] = {"expert_ids": expert_ids}
+        `expert_ids` [l_moe, b, t, k] (a token's ids -1: not recorded) is a recorded routing
+        (the sampler's): replayed when `replay` (unrecorded tokens: the router chooses) and
+        compared with the router's own choice (MoEOutput.mismatch). (The ids and stats are
+        handed from `_hidden` through a per-call entry of the instance dict, removed before
+        returning: `token_logprobs` keeps its signature.)"""
+        self.__dict__["_routing_hand_over"] = {"expert_ids": expert_ids, "replay": replay}
         try:
             lp = self.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs)
             return lp, self.__dict__["_routing_hand_over"]["out"]
@@ -321,13 +351,11 @@ class MoETransformer(Transformer):
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         path = resolve_kernels(cfg.kernels)
         t = input_ids_bt.shape[1]
-        mask_bts, rope = self._attention_inputs(
+        mask, rope = self._attention_inputs(
             input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
         )
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(dtype)
-        x_btd, (k_lbtkh, v_lbtkh), routed = self._run_layers(
-            x_btd, mask_bts, rope, attention_mask_bt
-        )
+        x_btd, (k_lbtkh, v_lbtkh), routed = self._run_layers(x_btd, mask, rope, attention_mask_bt)
         cache = KVCache(
             _kernels.cache_from_prefill(k_lbtkh, cache_len, dtype, path, values=False),
             _kernels.cache_from_prefill(v_lbtkh, cache_len, dtype, path, values=True),
@@ -344,15 +372,24 @@ class MoETransformer(Transformer):
         cache: KVCache,
         slot,
         attend_len: Optional[int] = None,
+        head_dv=None,
     ):
         """As Transformer's."""
         logits_bv, cache, _ = self.decode_step_routed(
-            layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len
+            layers, token_b, positions_b, kv_mask_bs, cache, slot, attend_len, head_dv
         )
         return logits_bv, cache
 
     def decode_step_routed(
-        self, layers, token_b, positions_b, kv_mask_bs, cache: KVCache, slot, attend_len=None
+        self,
+        layers,
+        token_b,
+        positions_b,
+        kv_mask_bs,
+        cache: KVCache,
+        slot,
+        attend_len=None,
+        head_dv=None,
     ):
         """`decode_step` -> (logits_bv, cache, expert ids [l_moe, b, k] of the fed token)."""
         cfg = self.cfg
@@ -379,4 +416,4 @@ class MoETransformer(Transformer):
             if sparse:
                 ids.append(routing.expert_ids_tk)
         ids_lbk = jnp.stack(ids) if ids else None
-        return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values)), ids_lbk
+        return self._logits(x_b1d, head_dv)[:, 0], KVCache(tuple(keys), tuple(values)), ids_lbk

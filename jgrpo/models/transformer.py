@@ -27,6 +27,7 @@ from flax import nnx
 
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
+from jgrpo.models.blockwise import RowMask, blockwise_attention
 from jgrpo.models.kernels import resolve_kernels
 
 
@@ -76,6 +77,9 @@ class TransformerConfig:
     (`REMAT_POLICIES`)."""
     logprob_chunk_size: int = 128
     """Tokens along T per chunk of `token_logprobs`' LM head + log-softmax (0 = one chunk)."""
+    attention_block_size: int = 1024
+    """Rows longer than this run blockwise attention in blocks of it (`attention`; memory
+    linear in the row); shorter ones materialise [t, t] scores (0 = always materialise)."""
     kernels: str = "auto"
     """Platform kernels (`jgrpo.models.kernels`): auto (cpu on the CPU backend, else
     portable) | cpu | portable."""
@@ -169,14 +173,17 @@ def apply_rope(x_btnh, cos, sin):
     return out.astype(x_btnh.dtype)
 
 
-def attention(q_btnh, k_bskh, v_bskh, mask_bts, kernels: str = "auto", causal: bool = False):
-    """Grouped-query softmax attention (mask_bts: True = attend); scores and softmax in
-    float32. `kernels` picks the platform kernel (`cfg.kernels`, `jgrpo.models.kernels`: the
-    CPU einsum, or jax.nn.dot_product_attention); `causal` promises mask_bts includes the
-    causal mask of aligned positions (a hint for cuDNN's flash kernel, never a change)."""
-    return _kernels.attention(
-        q_btnh, k_bskh, v_bskh, mask_bts, resolve_kernels(kernels), causal=causal
-    )
+def attention(q_btnh, k_bskh, v_bskh, mask: RowMask, cfg: TransformerConfig):
+    """Causal grouped-query softmax attention of aligned rows (query i is key i) -> [b, t, n,
+    h]; scores and softmax in float32. Rows longer than `cfg.attention_block_size` run the
+    blockwise path (`jgrpo.models.blockwise`: memory linear in t); shorter ones materialise
+    `mask.dense()` and run the platform kernel (`cfg.kernels`, `jgrpo.models.kernels`: the CPU
+    einsum, or jax.nn.dot_product_attention, cuDNN's flash kernel where it applies)."""
+    block = cfg.attention_block_size
+    if block and q_btnh.shape[1] > block:
+        return blockwise_attention(q_btnh, k_bskh, v_bskh, *mask, block=block)
+    path = resolve_kernels(cfg.kernels)
+    return _kernels.attention(q_btnh, k_bskh, v_bskh, mask.dense(), path, causal=True)
 
 
 def _project(x, w, contract: int = 1):
@@ -333,9 +340,15 @@ class Transformer(nnx.Module):
     def _final_norm(self, x_btd):
         return rms_norm(x_btd, self.final_norm[...].astype(x_btd.dtype), self.cfg.rms_norm_eps)
 
-    def _logits(self, x_btd):
-        """Final norm + LM head -> float32 logits (matmul inputs in the compute dtype)."""
-        head_dv = self._head().astype(self.cfg.jnp_dtype)
+    def head_weights(self):
+        """The LM head [d, v] in the compute dtype (the tied head: the embedding transposed):
+        what `decode_step` takes as `head_dv`, taken once per generate call, outside the loop."""
+        return self._head().astype(self.cfg.jnp_dtype)
+
+    def _logits(self, x_btd, head_dv=None):
+        """Final norm + LM head (`head_weights()` unless given) -> float32 logits (matmul
+        inputs in the compute dtype)."""
+        head_dv = self.head_weights() if head_dv is None else head_dv
         return jnp.einsum(
             "btd,dv->btv", self._final_norm(x_btd), head_dv, preferred_element_type=jnp.float32
         )
@@ -351,7 +364,7 @@ class Transformer(nnx.Module):
     def _attention_inputs(
         self, input_ids_bt, positions_bt, attention_mask_bt, positions_below=None, segments=None
     ):
-        """-> (mask_bts: causal & key padding & one segment of `segments` [b, t] (packed rows),
+        """-> (RowMask: causal & key padding & one segment of `segments` [b, t] (packed rows),
         RoPE tables) for t tokens; positions are < `positions_below` if known (`rope_tables`)."""
         b, t = input_ids_bt.shape
         if attention_mask_bt is None:
@@ -362,10 +375,7 @@ class Transformer(nnx.Module):
             rope = rope_tables(self.cfg, positions_bt, num_positions=t)
         else:
             rope = rope_tables(self.cfg, positions_bt, num_positions=positions_below)
-        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & mask_bt[:, None, :]
-        if segments is not None:
-            mask_bts &= segments[:, :, None] == segments[:, None, :]
-        return mask_bts, rope
+        return RowMask(mask_bt, segments), rope
 
     def _hidden(
         self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, segments=None
@@ -383,10 +393,10 @@ class Transformer(nnx.Module):
         backward keeps is uint16, not float32."""
         cfg = self.cfg
         if segments is None:
-            mask_bts, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+            mask, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
         else:  # every position of a packed row is < its width
             positions_bt, segments_bt = segments
-            mask_bts, rope = self._attention_inputs(
+            mask, rope = self._attention_inputs(
                 input_ids_bt, positions_bt, segments_bt > 0, input_ids_bt.shape[1], segments_bt
             )
 
@@ -399,7 +409,7 @@ class Transformer(nnx.Module):
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            attn_btnh = attention(q, k, v, mask_bts, cfg.kernels, causal=True)
+            attn_btnh = attention(q, k, v, mask, cfg)
             return self._constrain(_layer_out(p, cfg, x_btd, attn_btnh)), None
 
         if cfg.remat != "none":
@@ -533,7 +543,7 @@ class Transformer(nnx.Module):
         path = resolve_kernels(cfg.kernels)
         stacked = self._layer_params()
         t = input_ids_bt.shape[1]
-        mask_bts, rope = self._attention_inputs(
+        mask, rope = self._attention_inputs(
             input_ids_bt, positions_bt, attention_mask_bt, positions_below=t
         )
 
@@ -541,7 +551,7 @@ class Transformer(nnx.Module):
             # the slice scan's xs would take, in the compute dtype
             p = {name: w[i].astype(dtype) for name, w in stacked.items()}
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            attn_btnh = _kernels.attention(q, k, v, mask_bts, path, causal=True)
+            attn_btnh = attention(q, k, v, mask, cfg)
             return _layer_out(p, cfg, x_btd, attn_btnh), (k, v)
 
         x_btd = jnp.take(self.embed[...], input_ids_bt, axis=0).astype(dtype)
@@ -549,7 +559,7 @@ class Transformer(nnx.Module):
         x_btd, (k_lbtkh, v_lbtkh) = jax.lax.scan(layer, x_btd, layer_ids)
         p = last_layer if last_layer is not None else _fuse_layer_params(stacked, -1, cfg)
         q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-        attn_b1nh = _kernels.attention(q[:, -1:], k, v, mask_bts[:, -1:], path)
+        attn_b1nh = _kernels.attention(q[:, -1:], k, v, mask.dense()[:, -1:], path)
         x_b1d = _layer_out(p, cfg, x_btd[:, -1:], attn_b1nh)
 
         def to_cache(kv_lbtkh, kv_btkh, values):
@@ -568,6 +578,7 @@ class Transformer(nnx.Module):
         cache: KVCache,
         slot,
         attend_len: Optional[int] = None,
+        head_dv=None,
     ):
         """Forward one token per row against the cache -> (logits_bv, updated cache).
 
@@ -576,7 +587,8 @@ class Transformer(nnx.Module):
         place in a loop carry; a [b] array `slot` gives each row its own column: a scatter).
         Positions must be < the number of cache slots (a token's slot bounds it). `attend_len`
         (static) limits attention to cache slots [0, attend_len): the caller promises no slot
-        past it is wanted yet (the sampler decodes in segments: early tokens read less)."""
+        past it is wanted yet (the sampler decodes in segments: early tokens read less).
+        `head_dv`: `self.head_weights()`, taken outside the decode loop (else: each step)."""
         cfg = self.cfg
         path = resolve_kernels(cfg.kernels)
         num_slots = _kernels.cache_slots(cache.keys[0], path)
@@ -597,4 +609,4 @@ class Transformer(nnx.Module):
             keys.append(k_cache)
             values.append(v_cache)
             x_b1d = _layer_out(p, cfg, x_b1d, out_b1nh)
-        return self._logits(x_b1d)[:, 0], KVCache(tuple(keys), tuple(values))
+        return self._logits(x_b1d, head_dv)[:, 0], KVCache(tuple(keys), tuple(values))

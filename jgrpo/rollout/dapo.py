@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jgrpo.batch import TrainBatch
+from jgrpo.batch import TOKEN_KEYS, left_pad
 from jgrpo.config import Config
 
-PADDED_KEYS = tuple(k for k, (axes, _) in TrainBatch.FIELDS.items() if axes == "bt")
-"""The [B, T] arrays of a rollout batch (TrainBatch's); every other key is per row."""
+PADDED_KEYS = TOKEN_KEYS
+"""The [B, T, ...] arrays of a rollout batch (jgrpo.batch.TOKEN_KEYS); every other key is per
+row."""
 
 
 def overlong_penalty(lengths, max_new_tokens: int, length: int, penalty: float) -> np.ndarray:
@@ -74,7 +75,7 @@ def pad_width(batch: dict, width: int) -> dict:
     pad = width - batch["input_ids"].shape[1]
     if not pad:
         return batch
-    return {k: np.pad(v, ((0, 0), (pad, 0))) if k in PADDED_KEYS else v for k, v in batch.items()}
+    return {k: left_pad(k, v, pad) if k in PADDED_KEYS else v for k, v in batch.items()}
 
 
 def join_batches(batches: list[dict]) -> dict:

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 
 from jgrpo import distillation, distributed, sampling
-from jgrpo.batch import TrainBatch
+from jgrpo.batch import TrainBatch, left_pad
 from jgrpo.config import Config, ConfigError
-from jgrpo.rollout import dapo, turns
+from jgrpo.rollout import agent_rollout, dapo, turns
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.dapo import PADDED_KEYS
 from jgrpo.tasks.child import ERROR, OK, TIMEOUT
@@ -62,11 +62,12 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     parts = []
     for r, offset in zip(results, group_offsets):
         b = dict(r.batch)
-        b["group_ids"] = b["group_ids"] + offset
+        b["group_ids"] = shift_groups(b["group_ids"], offset)
         pad = width - b["input_ids"].shape[1]
         if pad:  # different prompt buckets: left-pad the narrower batch
             for key in PADDED_KEYS:
-                b[key] = np.pad(b[key], ((0, 0), (pad, 0)))
+                if key in b:
+                    b[key] = left_pad(key, b[key], pad)
         parts.append(b)
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     counts = {k: float(sum(r.stats[k] for r in results)) for k in failure_keys(results[0].stats)}
@@ -76,6 +77,11 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     names = results[0].reward_names
     failures = [f for r in results for f in r.failures]
     return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
+
+
+def shift_groups(group_ids: np.ndarray, offset: int) -> np.ndarray:
+    """Group ids + offset, padding rows (id < 0: no sample) left at -1."""
+    return np.where(group_ids >= 0, group_ids + offset, group_ids).astype(np.int32)
 
 
 REWARD_FAILURE_KEYS = ("reward/num_errors", "reward/num_timeouts", "reward/num_none")
@@ -120,6 +126,7 @@ def batch_stats(batch: dict[str, np.ndarray], reward_names=()) -> dict[str, floa
     if "reward_overlong" in batch:
         stats["reward/overlong/mean"] = float(batch["reward_overlong"].astype(np.float64).mean())
     stats |= turns.row_counts_stats(batch)  # multi-turn batches only
+    stats |= agent_rollout.agent_stats(batch)  # data.agent batches only
     terms = batch.get("reward_terms")
     for f, name in enumerate(reward_names):
         column = terms[:, f].astype(np.float64)
@@ -139,12 +146,16 @@ def join_pod_slice(result: RolloutResult, group_offset: int = 0) -> RolloutResul
     bucket: every host must feed the same shape), and the statistics recomputed over every
     host's rows (`gather_pod_rows`). Every process must call it (collective)."""
     batch = dict(result.batch)
-    batch["group_ids"] = batch["group_ids"] + group_offset
+    batch["group_ids"] = shift_groups(batch["group_ids"], group_offset)
     width = max(int(w) for w in distributed.allgather(np.int64(batch["input_ids"].shape[1])))
+    if "agent_calls" in batch:  # agent batches: as many rows as the host with the most
+        rows = max(int(r) for r in distributed.allgather(np.int64(len(batch["group_ids"]))))
+        batch = agent_rollout.pad_rows(batch, rows)
     pad = width - batch["input_ids"].shape[1]
     if pad:
         for k in PADDED_KEYS:
-            batch[k] = np.pad(batch[k], ((0, 0), (pad, 0)))
+            if k in batch:
+                batch[k] = left_pad(k, batch[k], pad)
     stats = gather_pod_rows(RolloutResult(batch, result.stats, [], result.reward_names)).stats
     return RolloutResult(batch, stats, result.samples, result.reward_names, result.failures)
 
@@ -201,18 +212,26 @@ class RolloutEngine:
                 f"chat template, and the tokenizer of model.path {cfg.model.path!r} has none"
             )
         self._chat: ChatFormat | None = None
+        self._endpoint = None
         stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else None
+        record = records_routing(cfg, model_cfg)
+        if record and self.multi_turn:
+            raise ConfigError(
+                "model.moe.router_replay / record_routing: recorded routing covers single-turn "
+                "rollouts only; set rollout.max_turns: 1 and no data.tools or data.environment"
+            )
         self.train_params = sampling.SamplingParams.from_rollout_config(
-            cfg.rollout, stop_token_ids=stops, pad_id=pad
+            cfg.rollout, stop_token_ids=stops, pad_id=pad, record_experts=record
         )
         self.greedy_params = dataclasses.replace(
-            self.train_params, temperature=0.0, top_p=1.0, top_k=None
+            self.train_params, temperature=0.0, top_p=1.0, top_k=None, record_experts=False
         )
         val_t = cfg.rollout.val_temperature
         self.val_params = self.train_params
         if val_t is not None:  # validation samples (not greedy) at rollout.val_temperature
             self.val_params = dataclasses.replace(self.train_params, temperature=val_t)
+        self.val_params = dataclasses.replace(self.val_params, record_experts=False)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - prompts repeat across epochs
     def _encode(self, text: str) -> tuple[int, ...]:
@@ -286,6 +305,11 @@ class RolloutEngine:
             params_s = self.greedy_params
         else:
             params_s = self.train_params if training else self.val_params
+        if self.task.agent_runner is not None:
+            return self._agent_rollout(
+                (graphdef, params), examples, key, version, num_generations, params_s,
+                first_prompt, training, task,
+            )  # fmt: skip
         env = self.turn_settings.environment
         reset_s = time.perf_counter()
         if env:  # one environment per row: its first observation is part of the row's prompt
@@ -378,6 +402,112 @@ class RolloutEngine:
         failures = list(info["failures"]) + self.task.tool_runner.take_failures()
         return RolloutResult(batch, batch_stats(batch, names) | counts, samples, names, failures)
 
+    @property
+    def endpoint(self):
+        """The OpenAI-compatible endpoint agents call (jgrpo.rollout.endpoint), started on
+        first use: one per engine (per run and process), with its own key."""
+        if self._endpoint is None:
+            from jgrpo.rollout.endpoint import Endpoint
+
+            self._endpoint = Endpoint(
+                self.tokenizer,
+                self.chat.stop_ids,
+                tool_call_format=self.cfg.rollout.tool_call_format,
+            )
+            self._endpoint.start()
+        return self._endpoint
+
+    def _agent_rollout(
+        self, model, examples, key, version, g, params_s, first_prompt, training, task
+    ) -> RolloutResult:
+        """A data.agent rollout (jgrpo.rollout.agent_rollout): one endpoint rollout per row,
+        its sequences as training rows, scored by the agent's reward and the task's terms."""
+        from jgrpo.rollout.agent_record import Settings
+
+        runner = self.task.agent_runner
+        # a call also stops at the template's end of turn (ChatFormat.stop_ids)
+        stops = tuple(sorted(set(params_s.stop_token_ids) | set(self.chat.stop_ids)))
+        params_s = dataclasses.replace(params_s, stop_token_ids=stops)
+        settings = Settings(
+            budget=params_s.max_new_tokens,
+            max_calls=self.cfg.rollout.max_turns,
+            temperature=params_s.temperature,
+            top_p=params_s.top_p,
+        )
+        rollouts, results, timing = agent_rollout.run_agents(
+            self.endpoint, runner, model, examples, key, params_s, settings,
+            first_prompt * g, task, g,
+        )  # fmt: skip
+        spec = sampling.make_decode_spec(self.model_cfg, params_s)
+        arrays, owner, completions = agent_rollout.build_rows(
+            rollouts, results, self.tokenizer, params_s.prompt_bucket, params_s.max_new_tokens,
+            spec.pad_id,
+        )  # fmt: skip
+        rows = [i for i in range(len(examples)) for _ in range(g)]
+        row_examples = [examples[i] for i in rows]
+        ok = np.asarray([results.get(b, (TIMEOUT,))[0] == OK for b in range(len(rows))], bool)
+        agent_rewards = np.asarray(
+            [
+                results[b][1]["reward"] if ok[b] and results[b][1]["reward"] is not None else np.nan
+                for b in range(len(rows))
+            ],
+            np.float64,
+        )
+        prompts = [
+            self.tokenizer.decode(r.sequences[0].prompt) if r.sequences else "" for r in rollouts
+        ]
+        start = time.perf_counter()
+        rewards, info = task.score(
+            prompts, completions, row_examples, environment_rewards=agent_rewards
+        )
+        scored = time.perf_counter()
+        names = tuple(task.reward_names)
+        batch = agent_rollout.score_rows(arrays, owner, rollouts, ok, rows, rewards, info, version)
+        if training:
+            dapo.shape_training_batch(batch, self.cfg)
+        else:  # evaluation reads one row per rollout (accuracy, pass@k, maj@n): its first
+            batch = {k: v[batch["agent_first_row"] > 0] for k, v in batch.items()}
+            if (votes := task.votes(completions)) is not None:
+                batch["vote_ids"] = vote_ids(votes)
+        sizes = timing["batch_sizes"]
+        counts = {
+            "reward/num_errors": float(info["num_reward_errors"]),
+            "reward/num_timeouts": float(info["num_reward_timeouts"]),
+            "reward/num_none": float(info["num_reward_none"]),
+            "perf/sample_s": timing["sample_s"],
+            "perf/agent_s": timing["agent_s"] - timing["sample_s"],
+            "perf/reward_s": scored - start,
+            "perf/reward_model_s": float(info.get("reward_model_s", 0.0)),
+            "agents/sampler_calls": float(len(sizes)),
+            "agents/sampler_batch_mean": float(np.mean(sizes)) if sizes else 0.0,
+            "agents/sampler_batch_max": float(max(sizes, default=0)),
+        }
+        samples = [
+            {
+                "prompt": prompts[b],
+                "completion": self.tokenizer.decode(rollouts[b].sequences[-1].region)
+                if rollouts[b].sequences
+                else "",
+                "reward": float(rewards[b]),
+            }
+            for b in range(min(self.cfg.logging.num_samples, len(rows)))
+        ]
+        failures = list(info["failures"]) + runner.take_failures()
+        stats = batch_stats(batch, names) | counts
+        if info["accuracy"] is not None:  # per rollout, not per row
+            stats["reward/accuracy"] = info["accuracy"]
+        result = RolloutResult(batch, stats, samples, names, failures)
+        result.agent_rollouts = rollouts  # the endpoint's records (tests, inspection)
+        result.sampler_batch_sizes = sizes
+        return result
+
+
+def records_routing(cfg: Config, model_cfg) -> bool:
+    """The training rollouts record each fed token's experts: an MoE model (model_cfg.moe) with
+    model.moe.router_replay or model.moe.record_routing."""
+    moe = cfg.model.moe
+    return hasattr(model_cfg, "moe") and (moe.router_replay or moe.record_routing)
+
 
 def vote_ids(votes) -> np.ndarray:
     """int64[B] a number per distinct answer string (crc32; -1 = no answer): maj@n's input,
@@ -399,7 +529,8 @@ def assemble_batch(gen, rows, rewards, version: int, generated=None) -> dict:
     gen_mask = np.arange(n)[None, :] < gen.lengths[:, None]
     loss_mask = gen_mask if generated is None else gen_mask & generated
     token_mask = np.concatenate([np.zeros((b, p), bool), loss_mask], axis=1)
-    return {
+    recorded = {} if gen.expert_ids is None else {"expert_ids": gen.expert_ids}
+    return recorded | {
         "input_ids": np.concatenate([gen.prompt_tokens, gen.tokens], axis=1).astype(np.int32),
         "attention_mask": np.concatenate([prompt_mask, gen_mask], axis=1).astype(np.float32),
         "token_mask": token_mask.astype(np.float32),

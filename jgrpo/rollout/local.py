@@ -54,7 +54,7 @@ class LocalRollout:
                 self._host_mesh = sharding.host_mesh(jax.tree.leaves(params)[0].sharding.mesh)
             params = sharding.host_local(params, self._host_mesh)
         self.params, self.version = params, version
-        return {"rollout/weight_sync_s": 0.0}
+        return {"perf/weight_sync_s": 0.0}
 
     def request(self, step: int, examples: list, gen_batch: int = 0) -> None:
         lo, hi = distributed.process_slice(len(examples))

@@ -349,7 +349,7 @@ class RayRollout:
     def _sync_metrics(self, start: float, gathered: float, done: float, nbytes: int) -> dict:
         """A publish's metrics: its gather (device -> host) and put (-> object store) times."""
         return {
-            "rollout/weight_sync_s": done - start,
+            "perf/weight_sync_s": done - start,
             "rollout/weight_gather_s": gathered - start,
             "rollout/weight_put_s": done - gathered,
             "rollout/weight_mb": nbytes / 2**20,

@@ -98,6 +98,9 @@ class Conversations:
     """Seconds spent in tool calls, environment steps and the replies' ids."""
     tool_errors_by_name: dict[str, int] = dataclasses.field(default_factory=dict)
     """Calls of each named tool that failed (raised, timed out, returned what is not text)."""
+    expert_ids: Optional[np.ndarray] = None
+    """[B, P + N, l_moe, k] int16 the sampler's recorded experts (`Generation.expert_ids`; one
+    turn only: params.record_experts refuses several)."""
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -127,6 +130,11 @@ def run_turns(
     `environment_ok` [B] marks the resets that succeeded) are needed once a reply can happen
     (settings.tools / settings.environment)."""
     b_total, n = len(prompts), params.max_new_tokens
+    if params.record_experts and (settings.max_turns > 1 or settings.tools or settings.environment):
+        raise ValueError(
+            "router replay: the sampler records the experts of single-turn rollouts only "
+            "(a later turn re-prefills the earlier ones and routes them anew)"
+        )
     if chat is not None:  # a turn also ends at the template's end-of-turn token
         stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_ids)))
         params = dataclasses.replace(params, stop_token_ids=stops)
@@ -289,6 +297,7 @@ def _pack(first_gen, region, lps, gen_bits, truncated, texts, messages, counts, 
         messages=messages,
         counts=counts,
         environment_rewards=env_reward.astype(np.float32),
+        expert_ids=first_gen.expert_ids,
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from jgrpo.config import ConfigError, DataConfig
+from jgrpo.tasks.agents import AgentRunner
 from jgrpo.tasks.arithmetic import ArithmeticTask
 from jgrpo.tasks.calculator import CalculatorTask
 from jgrpo.tasks.child import Failure
@@ -52,6 +53,8 @@ _KINDS = {
 }
 _NEEDS_RECORDS = ("gsm8k", "prompts")
 ENVIRONMENT_TERM = "environment"
+AGENT_TERM = "agent"
+"""The reward term (weight 1) of the rewards data.agent returns (jgrpo.tasks.agents)."""
 """The reward term (weight 1) of the environment's step rewards, summed over a rollout."""
 _VAL_SEED = 20_240_601
 """Seed of synthetic validation sets (fixed: the same for every run seed)."""
@@ -62,10 +65,10 @@ def check_rewards_given(cfg: DataConfig) -> None:
     """A task without a verifier needs a reward function (the Python API adds its reward_funcs
     to data.reward_functions first, so this is not a `validate` rule)."""
     verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
-    if not verifier and not cfg.reward_functions and cfg.environment is None:
+    if not verifier and not cfg.reward_functions and cfg.environment is None and not cfg.agent:
         raise ConfigError(
             f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
-            "one reward function (or a data.environment whose steps give rewards)"
+            "one reward function (or a data.environment or data.agent that gives rewards)"
         )
 
 
@@ -99,8 +102,10 @@ class Task:
         self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
-        self.reward_names = tuple(rf.label for rf in cfg.reward_functions) + (
-            () if cfg.environment is None else (ENVIRONMENT_TERM,)
+        self.reward_names = (
+            tuple(rf.label for rf in cfg.reward_functions)
+            + (() if cfg.environment is None else (ENVIRONMENT_TERM,))
+            + (() if cfg.agent is None else (AGENT_TERM,))
         )
         functions = [i for i, rf in enumerate(cfg.reward_functions) if rf.model is None]
         self._function_indices = functions
@@ -124,6 +129,14 @@ class Task:
             cfg.tool_processes,
         )
         """Runs the tools (the task's own, then data.tools) and the environment."""
+        self.agent_runner = (
+            None
+            if cfg.agent is None
+            else AgentRunner(
+                cfg.agent, cfg.agent_timeout_s, cfg.reward_import_timeout_s, cfg.tool_processes
+            )
+        )
+        """Runs data.agent's rollouts (jgrpo.rollout.agent_rollout), None without one."""
         self.reward_models: dict[int, Any] = {}
         """{index in data.reward_functions: jgrpo.models.reward_model.RewardModel}, attached
         by whoever scores (`attach_reward_models`): the trainer, or a Ray rollout worker."""
@@ -146,6 +159,8 @@ class Task:
             for runner in {id(r): r for r in self._runners()}.values():
                 runner.start()
             self.tool_runner.start()
+            if self.agent_runner is not None:
+                self.agent_runner.start()
 
     def __reduce__(self):
         return (Task, (self.cfg, self.seed, False, self.val_set))
@@ -518,6 +533,8 @@ class Task:
         """Stop the reward child processes, if any (they also die with this process)."""
         self._runner.close()
         self.tool_runner.close()
+        if self.agent_runner is not None:
+            self.agent_runner.close()
         for vt in self.val_tasks.values():
             vt.close()
 

@@ -1,0 +1,226 @@
+"""Blockwise (flash-style) causal attention: memory linear in the row, the same math as the
+materialised attention of `jgrpo.models.kernels`.
+
+The materialised path holds every [t, s] score of a row (per head); at 32k tokens that is 4 GiB
+per head in float32. Here queries and keys are cut into blocks and softmax(q k^T / sqrt(h)) v
+is accumulated block by block with a running maximum m and sum l per query (the online
+softmax): for each key block, m' = max(m, max_j s_j), l' = l e^(m - m') + sum_j e^(s_j - m'),
+acc' = acc e^(m - m') + sum_j e^(s_j - m') v_j, and the output is acc / l. Key blocks wholly
+above a query block's diagonal are never visited (causal), so the work is about half of the
+square. The backward (`jax.custom_vjp`) keeps only the output and each query's log-sum-exp
+lse = m + log l, and recomputes each block's probabilities p = e^(s - lse):
+dv += p^T do, ds = p (do v^T - rowsum(do * o)), dq += ds k / sqrt(h), dk += ds^T q / sqrt(h).
+Temporaries are O(block_q x block_k) per head, never O(t x s).
+
+The mask is described, never materialised: query i sees key j when j <= i (the row's tokens
+at aligned positions, as in training), key j is a real token (`valid_bs`) and, in packed rows,
+both carry the same segment id (`segments_bs`). Scores of masked pairs are MASK_VALUE (finite),
+as in the materialised path, so a query row with no visible key (a padding position) is
+finite too; its value differs between the two paths (the materialised one averages every
+value of the row, this one those of the blocks it visits), and no real token reads it.
+Scores, the running sums and every gradient accumulate in float32; the probabilities enter
+the value matmul in v's dtype, as in the materialised path. Exact: float32 results equal the
+materialised path's to rounding (tests/test_long_context.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK_VALUE = -1e30  # the materialised path's (kernels.MASK_VALUE); kept equal by a test
+
+
+class RowMask(NamedTuple):
+    """Who attends to whom in aligned rows, described: query i sees key j <= i when key j is
+    a real token and both are in the same segment."""
+
+    valid_bs: jax.Array
+    """[b, s] True = a real token."""
+    segments_bs: Optional[jax.Array] = None
+    """[b, s] segment ids of packed rows (None = one sequence per row)."""
+
+    def dense(self) -> jax.Array:
+        """The materialised [b, t, s] boolean mask (True = attend)."""
+        t = self.valid_bs.shape[1]
+        mask_bts = jnp.tril(jnp.ones((t, t), jnp.bool_))[None] & self.valid_bs[:, None, :]
+        if self.segments_bs is not None:
+            mask_bts &= self.segments_bs[:, :, None] == self.segments_bs[:, None, :]
+        return mask_bts
+
+
+def blockwise_attention(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs=None, *, block: int):
+    """Causal grouped-query attention of aligned rows (t == s) -> [b, t, n, h] in q's dtype.
+
+    `valid_bs`: True = a real key token; `segments_bs`: packed rows' segment ids (None = one
+    sequence per row); `block`: the query and key block length (static; the row is padded to
+    a multiple of it, padded keys masked)."""
+    b, t, n, h = q_btnh.shape
+    if k_bskh.shape[1] != t:
+        raise ValueError(f"blockwise attention: needs aligned rows, got t={t}, s={k_bskh.shape[1]}")
+    if segments_bs is None:
+        segments_bs = jnp.zeros((b, t), jnp.int32)
+    padded = -(-t // block) * block
+    if padded != t:
+        pad = ((0, 0), (0, padded - t))
+        q_btnh, k_bskh, v_bskh = (
+            jnp.pad(x, pad + ((0, 0), (0, 0))) for x in (q_btnh, k_bskh, v_bskh)
+        )
+        valid_bs = jnp.pad(valid_bs, pad)
+        segments_bs = jnp.pad(segments_bs, pad, constant_values=-1)
+    out_btnh = _attention(q_btnh, k_bskh, v_bskh, valid_bs.astype(jnp.bool_), segments_bs, block)
+    return out_btnh[:, :t]
+
+
+def _visible(i, j, block, valid_bs, segments_bs):
+    """[b, block_q, block_k] mask of query block i against key block j."""
+    qpos = i * block + jnp.arange(block)
+    kpos = j * block + jnp.arange(block)
+    valid_bk = jax.lax.dynamic_slice_in_dim(valid_bs, j * block, block, axis=1)
+    seg_q = jax.lax.dynamic_slice_in_dim(segments_bs, i * block, block, axis=1)
+    seg_k = jax.lax.dynamic_slice_in_dim(segments_bs, j * block, block, axis=1)
+    causal_qk = qpos[:, None] >= kpos[None, :]
+    return causal_qk[None] & valid_bk[:, None, :] & (seg_q[:, :, None] == seg_k[:, None, :])
+
+
+def _grouped(q_btnh, kv_heads: int):
+    b, t, n, h = q_btnh.shape
+    return q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)
+
+
+def _block(x, i, block):
+    return jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=1)
+
+
+def _scores(q_bqkgh, k_bkkh, mask_bqk, scale):
+    """[b, k, q, g, s] float32 scores of one block pair, masked."""
+    s = jnp.einsum("bqkgh,bskh->bkqgs", q_bqkgh, k_bkkh, preferred_element_type=jnp.float32)
+    return jnp.where(mask_bqk[:, None, :, None, :], s * scale, MASK_VALUE)
+
+
+def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
+    """-> (out [b, t, n, h] in q's dtype, lse [b, k, t, g] float32)."""
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    g = n // kv
+    scale = np.float32(1 / math.sqrt(h))
+    q_btkgh = _grouped(q_btnh, kv)
+
+    def query_block(i):
+        q_i = _block(q_btkgh, i, block)
+
+        def key_block(j, carry):
+            m, l, acc = carry  # [b, k, q, g], [b, k, q, g], [b, k, q, g, h]
+            mask = _visible(i, j, block, valid_bs, segments_bs)
+            s = _scores(q_i, _block(k_bskh, j, block), mask, scale)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            corr = jnp.exp(m - m_new)
+            pv = jnp.einsum(
+                "bkqgs,bskh->bkqgh",
+                p.astype(v_bskh.dtype),
+                _block(v_bskh, j, block),
+                preferred_element_type=jnp.float32,
+            )
+            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+        init = (
+            jnp.full((b, kv, block, g), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kv, block, g), jnp.float32),
+            jnp.zeros((b, kv, block, g, h), jnp.float32),
+        )
+        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)  # key blocks up to the diagonal
+        out = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, block, n, h)
+        return out.astype(q_btnh.dtype), m + jnp.log(l)
+
+    outs, lses = jax.lax.map(query_block, jnp.arange(t // block))
+    out_btnh = outs.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
+    lse_bktg = lses.transpose(1, 2, 0, 3, 4).reshape(b, kv, t, g)
+    return out_btnh, lse_bktg
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
+    return _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block)[0]
+
+
+def _attention_fwd(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
+    out_btnh, lse_bktg = _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block)
+    return out_btnh, (q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, out_btnh, lse_bktg)
+
+
+def _attention_bwd(block, residuals, dout_btnh):
+    q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, out_btnh, lse_bktg = residuals
+    b, t, n, h = q_btnh.shape
+    kv = k_bskh.shape[2]
+    scale = np.float32(1 / math.sqrt(h))
+    q_btkgh = _grouped(q_btnh, kv)
+    do_btkgh = _grouped(dout_btnh, kv)
+    # rowsum(do * o) per query and head: the softmax backward's correction
+    delta_bktg = jnp.einsum(
+        "btkgh,btkgh->bktg",
+        do_btkgh.astype(jnp.float32),
+        _grouped(out_btnh, kv).astype(jnp.float32),
+    )
+    nb = t // block
+
+    def key_block(dq_btkgh, j):
+        k_j, v_j = _block(k_bskh, j, block), _block(v_bskh, j, block)
+
+        def query_block(i, carry):
+            dq, dk, dv = carry
+            q_i, do_i = _block(q_btkgh, i, block), _block(do_btkgh, i, block)
+            lse_i = jax.lax.dynamic_slice_in_dim(lse_bktg, i * block, block, axis=2)
+            delta_i = jax.lax.dynamic_slice_in_dim(delta_bktg, i * block, block, axis=2)
+            mask = _visible(i, j, block, valid_bs, segments_bs)
+            p = jnp.exp(_scores(q_i, k_j, mask, scale) - lse_i[..., None])  # [b, k, q, g, s]
+            dv = dv + jnp.einsum(
+                "bkqgs,bqkgh->bskh",
+                p.astype(v_bskh.dtype),
+                do_i,
+                preferred_element_type=jnp.float32,
+            )
+            dp = jnp.einsum("bqkgh,bskh->bkqgs", do_i, v_j, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_i[..., None]) * scale
+            dq_i = jnp.einsum(
+                "bkqgs,bskh->bqkgh",
+                ds.astype(k_bskh.dtype),
+                k_j,
+                preferred_element_type=jnp.float32,
+            )
+            dq = jax.lax.dynamic_update_slice_in_dim(
+                dq, _block(dq, i, block) + dq_i, i * block, axis=1
+            )
+            dk = dk + jnp.einsum(
+                "bkqgs,bqkgh->bskh",
+                ds.astype(q_btnh.dtype),
+                q_i,
+                preferred_element_type=jnp.float32,
+            )
+            return dq, dk, dv
+
+        zeros = jnp.zeros((b, block, kv, h), jnp.float32)
+        # query blocks from the diagonal down: the ones above never see key block j
+        dq_btkgh, dk, dv = jax.lax.fori_loop(j, nb, query_block, (dq_btkgh, zeros, zeros))
+        return dq_btkgh, (dk, dv)
+
+    dq_btkgh, (dks, dvs) = jax.lax.scan(
+        key_block, jnp.zeros(q_btkgh.shape, jnp.float32), jnp.arange(nb)
+    )
+    dk_bskh = dks.transpose(1, 0, 2, 3, 4).reshape(k_bskh.shape).astype(k_bskh.dtype)
+    dv_bskh = dvs.transpose(1, 0, 2, 3, 4).reshape(v_bskh.shape).astype(v_bskh.dtype)
+    return (
+        dq_btkgh.reshape(q_btnh.shape).astype(q_btnh.dtype),
+        dk_bskh,
+        dv_bskh,
+        None,
+        None,
+    )
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
