@@ -200,6 +200,7 @@ def test_teacher_forward_is_absent_when_distillation_is_off():
     assert on[0] - off[0] == pytest.approx(flops, rel=0.01)
 
 
+@pytest.mark.heavy  # make test: the float64 test (the same term, any teacher)
 def test_a_teacher_equal_to_the_policy_gives_zero():
     """Teacher = policy (the same weights, another copy): reverse KL exactly 0; without reward
     (pure distillation) every advantage is 0, and so are the loss and the gradient."""
