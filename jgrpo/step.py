@@ -1,15 +1,15 @@
 """The one jitted GRPO train step, specialised on static flags (`jgrpo.step_setup` builds it).
 
 - `make_train_step(flags, graphdef, tx, state_shardings)` -> `step_fn(state, batch, hparams,
-  ref_params, frozen=None) -> (state, metrics)`, a `TopLevelStep` (compiled with the sampler's
-  XLA options) that donates `state` and pins the output state's shardings.
+  ref_params, frozen=None, teacher=None) -> (state, metrics)`, a `TopLevelStep` (compiled with
+  the sampler's XLA options) that donates `state` and pins the output state's shardings.
 - `StepFlags` (static; `objective="sft"`: `jgrpo.sft`'s loss) decides the program; floats
   travel traced in `StepHparams` (a sweep never recompiles). `batch`: a TrainBatch, or under
   grpo.sequence_packing a `jgrpo.packing.PackedBatch` (the forwards run over its packed rows,
   read back to rows); `prepare_batch` makes the `ScoredBatch` the loss reads. `frozen` (None:
   all trains) joins `TrainState.params` in every forward (jgrpo.forwards), never updated.
-- In one call (docs/losses.md): the reference and prev forwards (only when their flags say so,
-  each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
+- In one call (docs/losses.md): the reference, prev and teacher forwards (when their flags say
+  so, each under `jax.named_scope("forward_<name>")`), logprob-error masking, advantages, then a
   scan over minibatches (one optimizer update each) of float32 gradients accumulated over
   microbatches, normalised by the minibatch's global counts; a non-finite loss or gradient
   skips the update. Rows (packed rows) go to chunks by interleaving (i to chunk i mod K).
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jgrpo import losses, packing, replay
+from jgrpo import distillation, losses, packing, replay
 from jgrpo.batch import TrainBatch
 from jgrpo.config import AdvantageConfig, Config, LossConfig
 from jgrpo.forwards import (  # noqa: F401 (sequence_logprobs: the step's forward, re-exported)
@@ -48,7 +48,7 @@ from jgrpo.optimizer import (
 )
 from jgrpo.sft_loss import sft_loss
 
-FORWARDS = ("ref", "prev", "policy")
+FORWARDS = ("ref", "prev", "teacher", "policy")
 """The step's named forwards: each runs under `jax.named_scope(f"forward_{name}")`."""
 
 
@@ -89,6 +89,8 @@ class StepFlags:
     router_replay: bool = False
     """The prev and policy forwards route the recorded tokens with the sampler's experts
     (model.moe.router_replay; the reference forward routes by its own router)."""
+    distill: bool = False
+    """The teacher forward and its term of the advantage (`teacher`: jgrpo.distillation)."""
 
     @classmethod
     def from_config(
@@ -115,6 +117,7 @@ class StepFlags:
             objective=objective,
             record_routing=moe_model and (moe.router_replay or moe.record_routing),
             router_replay=moe_model and moe.router_replay,
+            distill=cfg.distillation.teacher is not None and objective == "grpo",
         )
 
 
@@ -264,7 +267,7 @@ def batch_statistics(batch: TrainBatch, advantages_bt, kept_b) -> dict:
 
 
 def prepare_batch(
-    state, batch: TrainBatch, hparams: StepHparams, ref_params, *, flags, graphdef
+    state, batch: TrainBatch, hparams: StepHparams, ref_params, teacher=None, *, flags, graphdef
 ) -> tuple[ScoredBatch, dict]:
     """Steps 1-3: the frozen forwards, logprob-error masking and advantages. `batch` is a
     TrainBatch, or a `packing.PackedBatch` under flags.sequence_packing: its forwards run over
@@ -336,6 +339,10 @@ def prepare_batch(
         kl_bt=kl_bt,
         sample_mask_b=sample_mask_b,
     )
+    if flags.distill:  # `teacher`: a distillation.Teacher
+        advantages_bt, metrics["distill/reverse_kl"] = distillation.add_teacher_term(
+            forward, teacher, prev_bt, batch, sample_mask_b, advantages_bt
+        )
     metrics.update(batch_statistics(batch, advantages_bt, sample_mask_b))
     data = ScoredBatch(
         input_ids=batch.input_ids,
@@ -493,13 +500,14 @@ def optimizer_update(
 
 
 def train_step(
-    state, batch, hparams, ref_params, frozen=None, *, flags, graphdef, tx, grad_shardings=None
+    state, batch, hparams, ref_params, frozen, teacher, *, flags, graphdef, tx, grad_shardings=None
 ):
-    """One GRPO step on a rollout batch -> (new state, metrics). `ref_params` has the trainable
-    tree's structure (None when no separate reference forward runs)."""
+    """One GRPO step -> (new state, metrics). `ref_params`: the trainable tree's structure (None:
+    no separate reference forward); `teacher`: a `distillation.Teacher` (None: no distillation)."""
     full_state = state._replace(params=with_frozen(state.params, frozen))
+    ref = with_frozen(ref_params, frozen)
     data, metrics = prepare_batch(
-        full_state, batch, hparams, with_frozen(ref_params, frozen), flags=flags, graphdef=graphdef
+        full_state, batch, hparams, ref, teacher, flags=flags, graphdef=graphdef
     )
 
     def update(s, mb):
@@ -523,19 +531,12 @@ def make_train_step(flags: StepFlags, graphdef, tx, state_shardings=None):
     options); donates the state; pins the output state shardings."""
 
     grad_shardings = None if state_shardings is None else state_shardings.params
+    step = functools.partial(
+        train_step, flags=flags, graphdef=graphdef, tx=tx, grad_shardings=grad_shardings
+    )
 
-    def fn(state, batch, hparams, ref_params, frozen=None):
-        return train_step(
-            state,
-            batch,
-            hparams,
-            ref_params,
-            frozen,
-            flags=flags,
-            graphdef=graphdef,
-            tx=tx,
-            grad_shardings=grad_shardings,
-        )
+    def fn(state, batch, hparams, ref_params, frozen=None, teacher=None):
+        return step(state, batch, hparams, ref_params, frozen, teacher)
 
     out_shardings = None if state_shardings is None else (state_shardings, None)
     return TopLevelStep(fn, donate_argnums=0, out_shardings=out_shardings)

@@ -1,9 +1,10 @@
 """`build_step`: what a run needs to call the train step, built from a config and a model.
 
-`build_step(cfg, model, mesh=None, trainable=None) -> StepSetup`: the mesh -> parameter
-shardings (from the model's logical axes) -> the optimizer (jgrpo.optimizer) and its state
-shardings -> the initial `TrainState`, the reference params, the frozen tree and the jitted
-step (`step.make_train_step`) with its `StepHparams`. `model` may be concrete (its arrays are
+`build_step(cfg, model, mesh=None, trainable=None, teacher=None) -> StepSetup`: the mesh ->
+parameter shardings (from the model's logical axes) -> the optimizer (jgrpo.optimizer) and its
+state shardings -> the initial `TrainState`, the reference params, the frozen tree, the
+teacher's params (distillation: sharded by its own logical axes, like the reference) and the
+jitted step (`step.make_train_step`) with its `StepHparams`. `model` may be concrete (its arrays are
 placed on the mesh) or abstract (`nnx.eval_shape`: the state is then `jax.ShapeDtypeStruct`s
 carrying their shardings, for lowering without allocating anything). `trainable` (an nnx
 filter) splits the model into the trained `state.params` and `frozen`. `check_batch_split`
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jgrpo import packing, sharding
+from jgrpo import distillation, packing, sharding
 from jgrpo.batch import TrainBatch
 from jgrpo.config import Config, ConfigError
 from jgrpo.models.moe_transformer import MoETransformer
@@ -130,6 +131,8 @@ class StepSetup:
     step_fn: Callable
     pack_spec: Optional[packing.PackSpec] = None
     """How batches are packed (grpo.sequence_packing), else None."""
+    teacher: Optional[distillation.Teacher] = None
+    """The step's `teacher` argument: params on the mesh, coef, graph (None: no distillation)."""
 
     def abstract_batch(
         self,
@@ -164,7 +167,8 @@ class StepSetup:
         return batch.shard(self.mesh)
 
     def abstract_args(self, batch=None) -> tuple:
-        """(state, batch, hparams, ref_params, frozen) as abstract values, for `.lower`."""
+        """(state, batch, hparams, ref_params, frozen, teacher) as abstract values, for
+        `.lower`."""
         abstract = lambda tree: jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
         )
@@ -175,11 +179,35 @@ class StepSetup:
             self.hparams,
             abstract(self.ref_params),
             abstract(self.frozen),
+            abstract(self.teacher),
         )
 
 
+def place_frozen_model(model: nnx.Module, mesh, rules) -> tuple[Any, Any]:
+    """(graphdef, params) of a model that only runs forwards in the step (the distillation
+    teacher): params placed by their own logical axes (abstract ones get the shardings),
+    the graph's activations and LM head constrained as the policy's are."""
+    graphdef, state = nnx.split(model)
+    shardings = sharding.param_shardings(state, mesh, rules)
+    params = nnx.to_pure_dict(state)
+    if _is_abstract(params):
+        params = _with_shardings(params, shardings)
+    else:
+        params = sharding.shard_params(params, shardings)
+    head = "embed" if model.cfg.tie_word_embeddings else "lm_head"
+    logits = sharding.logit_shardings(mesh, shardings[head], model.cfg.vocab_size)
+    ep = sharding.expert_parallel(mesh, rules)
+    return constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits, ep), params
+
+
 def build_step(
-    cfg: Config, model: nnx.Module, *, mesh=None, trainable=None, objective="grpo"
+    cfg: Config,
+    model: nnx.Module,
+    *,
+    mesh=None,
+    trainable=None,
+    objective="grpo",
+    teacher=None,
 ) -> StepSetup:
     """mesh -> shardings -> state -> jitted step for `model` (concrete or abstract) under `cfg`.
 
@@ -187,7 +215,8 @@ def build_step(
     filter (e.g. `nnx.LoRAParam`, `nnx.PathContains("layers")`) of the parameters to train;
     the others become `frozen` (placed with their shardings, in their stored dtype). None =
     everything trains, or only the adapters of a LoRA model (`nnx.LoRAParam`). `objective`:
-    the step's loss (`StepFlags.objective`; "sft" for `jgrpo.sft`)."""
+    the step's loss (`StepFlags.objective`; "sft" for `jgrpo.sft`). `teacher`: the distillation
+    teacher (concrete or abstract, as `model`), required iff distillation.teacher is set."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
     rules = sharding.make_rules(cfg.mesh)
@@ -219,6 +248,12 @@ def build_step(
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)
     shardings = TrainState(p_shard, opt_state_shardings(tx, params_abstract, p_shard, rep), rep)
     flags = StepFlags.from_config(cfg, objective, moe_model=isinstance(model, MoETransformer))
+    if flags.distill != (teacher is not None):
+        raise ValueError("build_step: distillation.teacher and the teacher model disagree")
+    if teacher is not None:
+        t_graphdef, t_params = place_frozen_model(teacher, mesh, rules)
+        coef = jax.device_put(jnp.float32(cfg.distillation.coef), sharding.replicated(mesh))
+        teacher = distillation.Teacher(params=t_params, coef=coef, graphdef=t_graphdef)
     dtype, ref = model.cfg.jnp_dtype, None
     if abstract:
         opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)
@@ -250,4 +285,5 @@ def build_step(
         pack_spec=packing.PackSpec.from_config(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
         if cfg.grpo.sequence_packing
         else None,
+        teacher=teacher,
     )

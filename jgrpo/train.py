@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from jgrpo import compile_cache, distributed, evaluation, sharding, step, step_setup
+from jgrpo import compile_cache, distillation, distributed, evaluation, sharding, step, step_setup
 from jgrpo.checkpoint import Checkpointer, latest_complete_step
 from jgrpo.config import Config, ConfigError, to_dict
 from jgrpo.config.rules import needs_chat_turns
@@ -88,6 +88,7 @@ def check_run(cfg: Config) -> None:
     length = cfg.rollout.prompt_bucket + cfg.rollout.max_new_tokens
     hf = check_model_path(cfg.model.path, length, multi_turn=needs_chat_turns(cfg))
     check_lora_targets(hf, cfg.model.lora)
+    distillation.check_teacher(cfg)  # its tokenizer against the policy's, before any weights
     sharding.make_rules(cfg.mesh)
     step_setup.check_batch_split(cfg, jax.device_count())
     if cfg.rollout.backend == "ray" and cfg.rollout.ray_address:
@@ -127,7 +128,12 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     # with LoRA: fresh adapters over the loaded base (a resume overwrites them)
     model = load_policy(cfg.model, folder, seed=cfg.grpo.seed)
     log.debug("model folder %s", folder)
-    built = step_setup.build_step(cfg, model)
+    teacher = None
+    if cfg.distillation.teacher is not None:
+        log.info("loading the distillation teacher %s", cfg.distillation.teacher)
+        teacher = distillation.load_teacher(cfg)
+    built = step_setup.build_step(cfg, model, teacher=teacher)
+    del teacher  # its arrays live on in built.teacher, placed on the mesh
     log.info(
         "placed it on %d %s device(s) (mesh %s)",
         built.mesh.size,
@@ -410,7 +416,7 @@ def train_one_step(
     gen_s = time.perf_counter() - start
     u = t.setup
     batch = u.device_batch(result.step_batch())
-    t.state, step_metrics = u.step_fn(t.state, batch, u.hparams, u.ref_params, u.frozen)
+    t.state, step_metrics = u.step_fn(t.state, batch, u.hparams, u.ref_params, u.frozen, u.teacher)
     metrics = to_floats(step_metrics)  # waits for the step
     train_s = time.perf_counter() - start - gen_s
     sync = t.backend.publish(t.state.params, s + 1)

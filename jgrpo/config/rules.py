@@ -10,6 +10,7 @@ dotted key and what is allowed; ``validate`` returns the config unchanged.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from jgrpo.config.bounds import (
@@ -51,6 +52,7 @@ def validate(cfg: Config) -> Config:
     check_dapo(cfg)
     check_evaluation(cfg)
     check_turns(cfg)
+    check_distillation(cfg)
     check_sft(cfg)
     return cfg
 
@@ -272,6 +274,13 @@ def check_skip_flags(cfg: Config) -> None:
                 "loss.force_on_policy_ratio with grpo.seq_logprob_error_threshold: the threshold "
                 "needs real prev logprobs, so the prev forward is computed anyway",
                 stacklevel=3,  # the caller of validate
+            )
+        if cfg.distillation.teacher is not None:
+            warnings.warn(
+                "loss.force_on_policy_ratio with distillation.teacher: the distillation term "
+                "needs the policy's logprobs before the update, so the prev forward is computed "
+                "anyway",
+                stacklevel=3,
             )
 
 
@@ -502,6 +511,19 @@ def check_turns(cfg: Config) -> None:
     _require(
         limit is None or limit >= 1,
         f"rollout.max_tool_response_tokens: must be >= 1 (or null), got {limit}",
+    )
+
+
+def check_distillation(cfg: Config) -> None:
+    """distillation: the teacher's name and a positive finite coef (the teacher's folder and
+    tokenizer are checked before the run starts: `jgrpo.distillation.check_teacher`)."""
+    d = cfg.distillation
+    if d.teacher is None:
+        return
+    _require(d.teacher.strip() != "", "distillation.teacher: must name a model (or be null)")
+    _require(
+        math.isfinite(d.coef) and d.coef > 0,
+        f"distillation.coef: must be a finite number > 0, got {d.coef}",
     )
 
 

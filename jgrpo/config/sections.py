@@ -448,6 +448,19 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(**_FROZEN)
+class DistillationConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
+    policy sampled, and coef x (teacher logprob - policy logprob) joins that token's advantage."""
+
+    teacher: Optional[str] = None
+    """HF folder, hub id, `smollm2` or `builtin:...` sharing model.path's tokenizer (None = off)."""
+    coef: float = 1.0
+    """lambda: the per-token term lambda x (log p_teacher - log p_policy) added to the advantage."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Teacher parameter and compute dtype; auto = model.compute_dtype's resolution."""
+
+
+@dataclasses.dataclass(**_FROZEN)
 class SFTConfig:
     """Supervised fine-tuning (`jgrpo sft`, docs/sft.md): the mean negative log-likelihood of
     the assistant tokens, trained by the GRPO train step's machinery. model, optim, mesh,
@@ -518,13 +531,20 @@ class Config:
     """Checkpoints."""
     logging: LoggingConfig = LoggingConfig()
     """Metric sinks."""
+    distillation: DistillationConfig = DistillationConfig()
+    """On-policy distillation from a teacher (off unless distillation.teacher is set)."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning (`jgrpo sft`); `jgrpo train` ignores it."""
 
     @property
     def skip_prev(self) -> bool:
-        """The prev-logprob forward is absent (docs/losses.md: the threshold needs real lo)."""
-        return self.loss.force_on_policy_ratio and self.grpo.seq_logprob_error_threshold is None
+        """The prev-logprob forward is absent (docs/losses.md: the threshold and distillation
+        need real lo)."""
+        return (
+            self.loss.force_on_policy_ratio
+            and self.grpo.seq_logprob_error_threshold is None
+            and self.distillation.teacher is None
+        )
 
     @property
     def skip_ref(self) -> bool:

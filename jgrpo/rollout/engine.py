@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jgrpo import distributed, sampling
+from jgrpo import distillation, distributed, sampling
 from jgrpo.batch import TrainBatch, left_pad
 from jgrpo.config import Config, ConfigError
 from jgrpo.rollout import agent_rollout, dapo, turns
@@ -357,7 +357,7 @@ class RolloutEngine:
             if env:
                 batch["environment_errors"] = batch["environment_errors"] + env_errors
                 batch["environment_timeouts"] = batch["environment_timeouts"] + env_timeouts
-        batch["sample_mask"] = np.asarray(info["sample_mask"], np.float32)
+        batch["sample_mask"] = distillation.loss_rows(self.cfg, info["sample_mask"])
         if info["correct"] is not None:
             batch["correct"] = np.asarray(info["correct"], bool)
         names = tuple(task.reward_names)
