@@ -489,3 +489,25 @@ def test_two_process_pod_with_dynamic_sampling_matches_one_process(tmp_path, jax
     counts = ("dynamic_sampling/", "batch/frac_reward_zero_std", "reward/frac_groups_all_equal")
     pick = lambda rs: [{k: v for k, v in r.items() if k.startswith(counts)} for r in rs]  # noqa: E731
     assert pick(rows) == pick(reference)
+
+
+@pytest.mark.heavy  # make test: test_router_replay's float32 proof on one process
+def test_two_process_moe_pod_with_router_replay_matches_one_process(tmp_path, jax_cache):
+    """An MoE model (experts sharded over fsdp) with model.moe.router_replay: each host's
+    sampler records the experts of its rows, the pod's step replays them; the one-process
+    run's losses, and no routing mismatch (float32)."""
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    moe = ["model.path=builtin:tiny-qwen3-moe", "model.moe.router_replay=true"]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, *moe, cache=jax_cache)
+    procs += _launch(tmp_path, pod, 2, *moe, cache=jax_cache)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0.01 for r in reference)  # nothing compared is 0
+    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
+    for r in rows + reference:
+        assert r["moe/routing_mismatch"] == 0.0
+        assert r["logprob/token_mult_prob_error"] <= 1.001
