@@ -32,6 +32,8 @@ from jgrpo.models.transformer import Transformer
 from jgrpo.slots import decode_in_slots
 
 _MAX_SEGMENTS = 8  # decode-loop copies in the program: bounds compile time
+KV_CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+"""Storage dtypes of the KV cache (rollout.kv_cache_dtype)."""
 _SLOT_ALIGN = 16  # cache / attended lengths rounded up to this: XLA:CPU's attention dots are
 # faster over whole vectors of slots (one AVX-512 vector is 16 floats; docs/performance.md)
 
@@ -70,6 +72,9 @@ class SamplingParams:
     record_experts: bool = False
     """An MoE model records the experts of every token it feeds (the prompt's and the
     completion's) in `Generation.expert_ids` (static; model.moe.router_replay)."""
+    kv_cache_dtype: Optional[str] = None
+    """Dtype the KV cache is stored in (static; `KV_CACHE_DTYPES`): keys and values are rounded
+    to it when written and read back up to the compute dtype; None = the compute dtype."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -84,6 +89,11 @@ class SamplingParams:
             raise ValueError("prompt_bucket and attention_chunk: must be >= 1")
         if self.decode_slots is not None and self.decode_slots < 1:
             raise ValueError(f"decode_slots: must be >= 1 or None, got {self.decode_slots}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES} or None, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
     @classmethod
     def from_rollout_config(cls, rollout, **overrides) -> SamplingParams:
@@ -97,6 +107,7 @@ class SamplingParams:
             prompt_bucket=rollout.prompt_bucket,
             decode_slots=rollout.decode_slots,
             compact_decode=rollout.compact_decode,
+            kv_cache_dtype=rollout.kv_cache_dtype,
         )
         return cls(**{**fields, **overrides})
 
@@ -121,6 +132,8 @@ class DecodeSpec:
     """The one-batch loop, or the slot loop's tail, narrows as rows stop (`compact_widths`)."""
     record_experts: bool = False
     """Record each fed token's experts (an MoE model's `prefill_routed` / `decode_step_routed`)."""
+    kv_cache_dtype: Optional[str] = None
+    """The KV cache's storage dtype; None = the compute dtype."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,14 +188,16 @@ def kv_cache_bytes(model_cfg, rows: int, prompt_width: int, params: SamplingPara
     """Bytes of the KV cache of one `generate` call over `rows` rows: keys and values of every
     layer for min(rows, params.decode_slots) rows x `cache_length` slots, in the compute dtype
     (the staged prompt of the decode-slot loop adds one row; under compact_decode the first
-    narrowing gathers half of them into a new cache while the wider one is still live)."""
+    narrowing gathers half of them into a new cache while the wider one is still live), in
+    params.kv_cache_dtype when set."""
     slots = params.decode_slots
     pool = rows if slots is None or slots >= rows else slots
     held = pool if pool == rows else pool + 1
     if params.compact_decode and pool > 1:
         held += compact_widths(pool)[1]
     per_row = cache_length(prompt_width, params.max_new_tokens) * 2 * model_cfg.num_layers
-    per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * model_cfg.jnp_dtype.itemsize
+    dtype = jnp.dtype(params.kv_cache_dtype or model_cfg.jnp_dtype)
+    per_row *= model_cfg.num_kv_heads * model_cfg.head_dim * dtype.itemsize
     return held * per_row
 
 
@@ -273,6 +288,7 @@ def _generate_padded(
         logits_uv, cache = model.prefill(
             prompt_ids_up, positions_up, prompt_mask_up, cache_len, last_layer=layers[-1]
         )
+    cache = kernels.cache_in(cache, spec.kv_cache_dtype)  # rollout.kv_cache_dtype
     # each prompt's cache and last logits go to its `group` rows
     to_rows = (lambda x: x) if group == 1 else (lambda x: jnp.repeat(x, group, axis=0))
     logits_bv, cache = to_rows(logits_uv), jax.tree.map(to_rows, cache)
@@ -447,6 +463,7 @@ def make_decode_spec(cfg, params: SamplingParams) -> DecodeSpec:
         decode_slots=params.decode_slots,
         compact=params.compact_decode,
         record_experts=params.record_experts,
+        kv_cache_dtype=params.kv_cache_dtype,
     )
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jgrpo.draws import greedy_token, sample_token
+from jgrpo.models import kernels as _kernels
 from jgrpo.models.moe import RECORDED_ID_DTYPE, expert_rows
 
 
@@ -92,11 +93,12 @@ def decode_in_slots(
             logits_1v, cache_1, ids_l1pk = model.prefill_routed(
                 ids_1p, positions_1p, mask_1p, cache_len
             )
+            cache_1 = _kernels.cache_in(cache_1, spec.kv_cache_dtype)
             return prompt, logits_1v, cache_1, expert_rows(ids_l1pk)
         logits_1v, cache_1 = model.prefill(
             ids_1p, positions_1p, mask_1p, cache_len, last_layer=layers[-1]
         )
-        return prompt, logits_1v, cache_1
+        return prompt, logits_1v, _kernels.cache_in(cache_1, spec.kv_cache_dtype)
 
     def admit(state):
         """Give the next waiting row's prompt (prefilled once: it stays staged until its last

@@ -40,6 +40,36 @@ QWEN25_7B = {
     "vocab_size": 152064,
 }
 
+QWEN3_4B = {
+    # Qwen/Qwen3-4B's config.json as published (transformers 4.51 keys)
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 9728,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
 QWEN3_30B_A3B = {
     # Qwen/Qwen3-30B-A3B's config.json as published (transformers 4.51 keys)
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -98,6 +128,8 @@ RECIPES = {
     "qwen25_7b_gsm8k_pod.yaml": (QWEN25_7B, 32, 80 * 10**9, 7_615_616_512),
     "qwen3_30b_a3b_gsm8k_lora.yaml": (QWEN3_30B_A3B, 8, 80 * 10**9, 30_532_122_624),
     "qwen3_235b_a22b_pod.yaml": (QWEN3_235B_A22B, 128, 80 * 10**9, 235_093_634_560),
+    # long reasoning rollouts: 1k prompt + 32k completion per row (docs/long-context.md)
+    "qwen3_4b_32k_long.yaml": (QWEN3_4B, 8, 80 * 10**9, 4_022_468_096),
 }
 
 
@@ -194,6 +226,8 @@ def test_recipe_fits_its_device(name, tmp_path):
     # --device-memory's verdict counts the same bytes
     assert report["device_memory_bytes"] == memory and report["device_fits"] is True
     assert report["device_bytes_needed"] == device_bytes(report)
+    if "32k" in name:  # one 33,792-token row per device per microbatch, blockwise attention
+        assert report["mesh"]["fsdp"] == 8 and report["logprob_chunk_size"] == 512
     if name.endswith("_t4.yaml"):  # no bfloat16 on a T4: float32 throughout
         assert report["compute_dtype"] == report["param_dtype"] == "float32"
     else:

@@ -297,6 +297,12 @@ def check_rollout(cfg: Config) -> None:
         ro.decode_slots is None or ro.decode_slots >= 1,
         f"rollout.decode_slots: must be >= 1 (or null = every row), got {ro.decode_slots}",
     )
+    kv_dtypes = ("float32", "bfloat16", "float8_e4m3fn")  # sampling.KV_CACHE_DTYPES
+    _require(
+        ro.kv_cache_dtype is None or ro.kv_cache_dtype in kv_dtypes,
+        f"rollout.kv_cache_dtype: must be one of {', '.join(kv_dtypes)} (or null = the compute "
+        f"dtype), got {ro.kv_cache_dtype!r}",
+    )
     if ro.max_staleness > 0:
         _require(
             cfg.loss.use_importance_sampling_correction,

@@ -395,6 +395,8 @@ class RolloutConfig:
     """Rows decoded at once per sampler call; a stopped row's slot takes the next (None = all)."""
     compact_decode: bool = True
     """Narrow the decode batch to 1/2, 1/4, 1/8 as rows stop (with decode_slots: the tail)."""
+    kv_cache_dtype: Optional[str] = None
+    """KV cache storage: float32, bfloat16 or float8_e4m3fn (null = the compute dtype)."""
     max_turns: int = 1
     """Assistant turns per rollout (> 1: tool calls / environment replies continue it)."""
     max_tool_response_tokens: Optional[int] = 256

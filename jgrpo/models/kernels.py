@@ -124,6 +124,13 @@ def cache_from_prefill(kv_lbtkh, cache_len: int, dtype, path: KernelPath, *, val
     return tuple(kv_l[i] for i in range(kv_l.shape[0]))
 
 
+def cache_in(cache, dtype):
+    """A KV cache (any tree of cache arrays) stored in `dtype` (rollout.kv_cache_dtype; None:
+    as it is, the compute dtype). The sampler casts after the prefill, before the rows of a
+    group share it, so only the prompts' cache passes through the compute dtype."""
+    return cache if dtype is None else jax.tree.map(lambda x: x.astype(dtype), cache)
+
+
 def cache_slots(keys, path: KernelPath) -> int:
     """Number of slots of one layer's key cache."""
     return keys.shape[3] if path == "cpu" else keys.shape[1]
@@ -134,10 +141,12 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
     carry; a [b] array of slots, one per row, is a scatter: the sampler's decode slots), then
     attend its query over the first s = mask_bs.shape[1] slots where mask_bs -> (out_b1nh in
     q's dtype, keys, values). Each path's math is its `attention`'s (float32 softmax,
-    probabilities cast to the cache dtype before the value dot), so in bf16 the sampler rounds
-    as the trainer's forward does. The portable path is `attend_live` with each row's key
-    length slot + 1: on CUDA cuDNN reads only the slots written so far (the masked prompt
-    padding aside); elsewhere XLA's masked softmax over the s slots, the same numbers."""
+    probabilities cast to the compute dtype, q's, before the value dot), so in bf16 the sampler
+    rounds as the trainer's forward does; a cache stored in a narrower dtype
+    (rollout.kv_cache_dtype) is read up to q's dtype (its values rounded when written). The
+    portable path is `attend_live` with each row's key length slot + 1: on CUDA cuDNN reads
+    only the slots written so far (the masked prompt padding aside); elsewhere XLA's masked
+    softmax over the s slots, the same numbers."""
     zero, slot = jnp.zeros((), jnp.int32), jnp.asarray(slot, jnp.int32)
     s = mask_bs.shape[1]
     rows_b = jnp.arange(q_b1nh.shape[0])  # with one slot per row (slot [b]): a scatter
@@ -150,10 +159,10 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
             keys = jax.lax.dynamic_update_slice(keys, k_new, (zero, slot, zero, zero))
             values = jax.lax.dynamic_update_slice(values, v_new, (zero, slot, zero, zero))
         lengths_b = jnp.broadcast_to(slot + 1, (q_b1nh.shape[0],))
-        impl = _decode_implementation(keys)
-        out_b1nh = attend_live(
-            q_b1nh.astype(keys.dtype), keys[:, :s], values[:, :s], mask_bs, lengths_b, impl
-        )
+        # a cache stored narrower than the compute dtype (rollout.kv_cache_dtype) is read up
+        k_live, v_live = keys[:, :s].astype(q_b1nh.dtype), values[:, :s].astype(q_b1nh.dtype)
+        impl = _decode_implementation(k_live)
+        out_b1nh = attend_live(q_b1nh, k_live, v_live, mask_bs, lengths_b, impl)
         return out_b1nh.astype(q_b1nh.dtype), keys, values
 
     b, _, n, h = q_b1nh.shape
@@ -167,13 +176,17 @@ def decode_attention(q_b1nh, k_b1kh, v_b1kh, keys, values, slot, mask_bs, path: 
         v_bk1h = jnp.swapaxes(v_b1kh, 1, 2).astype(values.dtype)
         values = jax.lax.dynamic_update_slice(values, v_bk1h, (zero, zero, slot, zero))
     q_bkgh = q_b1nh.reshape(b, k_heads, n // k_heads, h)
+    compute = q_b1nh.dtype  # a narrower cache (rollout.kv_cache_dtype) is read up to it
     scores_bkgs = jnp.einsum(
-        "bkgh,bkhs->bkgs", q_bkgh, keys[..., :s], preferred_element_type=jnp.float32
+        "bkgh,bkhs->bkgs",
+        q_bkgh,
+        keys[..., :s].astype(compute),
+        preferred_element_type=jnp.float32,
     )
     sqrt_h = np.float32(math.sqrt(h))
     scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs / sqrt_h, MASK_VALUE)
-    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(values.dtype)
-    out_bkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgs, values[:, :, :s])
+    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1).astype(compute)
+    out_bkgh = jnp.einsum("bkgs,bksh->bkgh", probs_bkgs, values[:, :, :s].astype(compute))
     return out_bkgh.astype(q_b1nh.dtype).reshape(b, 1, n, h), keys, values
 
 
