@@ -25,7 +25,7 @@ def main(argv=None) -> None:
     ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (the recipe's mesh)")
     ap.add_argument("--lengths", default="4096,8192,16384,32768", help="completion lengths")
     ap.add_argument("--materialised", default="", help="lengths also sized with t x t scores")
-    ap.add_argument("--device-memory", default="80GB")
+    ap.add_argument("--device-memory", default="80gb", help="the device's size")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides (model.path=...)")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
