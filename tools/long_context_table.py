@@ -56,8 +56,8 @@ def main(argv=None) -> None:
     print("| row tokens | attention | temporaries | step peak | KV cache | total |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r[k] / 1e9 for k in KEYS]
-        print(f"| {r['tokens']:,} | {r['attention']} | " + " | ".join(f"{c:.2f}" for c in cells))
+        cells = " | ".join(f"{r[k] / 1e9:.2f}" for k in KEYS)
+        print(f"| {r['tokens']:,} | {r['attention']} | {cells} |")
 
 
 KEYS = (
