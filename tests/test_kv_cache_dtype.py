@@ -65,3 +65,26 @@ def test_config_rejects_an_unknown_kv_cache_dtype():
     # the config's list is the sampler's (config does not import the sampler)
     with pytest.raises(ConfigError, match=", ".join(KV_CACHE_DTYPES)):
         load_config(None, ["rollout.kv_cache_dtype=int8"])
+
+
+def test_the_run_config_reaches_the_sampler():
+    rollout = load_config(None, ["rollout.kv_cache_dtype=float8_e4m3fn"]).rollout
+    params = SamplingParams.from_rollout_config(rollout)
+    assert params.kv_cache_dtype == "float8_e4m3fn"
+    assert SamplingParams.from_rollout_config(load_config(None).rollout).kv_cache_dtype is None
+
+
+@pytest.mark.heavy
+def test_decode_slots_store_the_narrow_cache_too(tiny):
+    """The slot loop (prompts prefilled one at a time into slots) rounds the cache the same way:
+    its logprobs cost what the one-batch loop's cost, against the same float32 forward."""
+    prompts = make_prompts([20, 37, 9, 50], seed=3)
+    for slots, dtype, low, high in ((2, "bfloat16", 1.0002, 1.01), (2, None, 1.0, 1.00001)):
+        params = SamplingParams(
+            max_new_tokens=24, temperature=1.0, prompt_bucket=16, ignore_eos=True,
+            kv_cache_dtype=dtype, decode_slots=slots,
+        )  # fmt: skip
+        gen = generate(tiny, prompts, params, jax.random.key(3))
+        logits, mask = trainer_logits(tiny, gen)
+        err = token_mult_prob_error(gen.logprobs, token_logprobs(logits, gen.tokens), mask)
+        assert low <= err <= high, (dtype, err)
