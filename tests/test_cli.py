@@ -48,6 +48,7 @@ BAD_INPUTS = [
     (["optim.learning_rate=-1"], "optim.learning_rate"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["rollout.decode_slots=0"], "rollout.decode_slots"),
+    (["rollout.kv_cache_dtype=float16"], "rollout.kv_cache_dtype"),
     (["loss.aggregation=mean"], "loss.aggregation"),
     (["loss.use_kl_in_reward=true", "loss.reference_policy_kl_penalty=0.1"], "use_kl_in_reward"),
     (["loss.force_on_policy_ratio=true", "grpo.num_minibatches=2"], "force_on_policy_ratio"),
