@@ -226,7 +226,8 @@ def chunk_padded(positions: int, chunk: int) -> int:
 def kv_cache_bytes(cfg: Config, model_cfg) -> int:
     """Bytes of the sampler's KV cache for one rollout batch (`sampling.kv_cache_bytes`): the
     P x G rows, or rollout.decode_slots of them (+ the staged prompt), x the cache length of
-    prompt_bucket + max_new_tokens, every layer's keys and values in the compute dtype."""
+    prompt_bucket + max_new_tokens, every layer's keys and values in rollout.kv_cache_dtype
+    (default: the compute dtype)."""
     params = sampling.SamplingParams.from_rollout_config(cfg.rollout)
     return sampling.kv_cache_bytes(
         model_cfg, cfg.grpo.batch_size, cfg.rollout.prompt_bucket, params
