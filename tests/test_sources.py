@@ -31,7 +31,12 @@ from jgrpo.models.sources import (
     smollm2_folder,
     smollm2_gguf,
 )
-from jgrpo.models.tiny import build_tiny_model, char_tokenizer, save_char_tokenizer
+from jgrpo.models.tiny import (
+    build_tiny_model,
+    char_tokenizer,
+    save_char_tokenizer,
+    tiny_qwen2_config,
+)
 
 PROSE = (
     "The capital of France is Paris. It is famous for the Eiffel Tower, which was built in 1889 "
@@ -490,6 +495,8 @@ def test_model_path_errors_name_the_key(tmp_path):
     (tmp_path / "m").mkdir()
     assert "config.json" in error(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text("{}")
+    assert "model_type None is not supported" in error(str(tmp_path / "m"))  # the family first
+    (tmp_path / "m" / "config.json").write_text(json.dumps(tiny_qwen2_config()))
     assert "model.safetensors" in error(str(tmp_path / "m"))
     (tmp_path / "m" / "model.safetensors.index.json").write_text("{}")
     assert resolve_model_path(str(tmp_path / "m")) == tmp_path / "m"
