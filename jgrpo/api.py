@@ -186,6 +186,15 @@ def build_config(
     return cfg
 
 
+def _run_dir(run_dir, args, args_name: str, prefix: str) -> Path:
+    """The trainer's run folder: run_dir, or args.output_dir (not both), else a dated one."""
+    output_dir = getattr(args, "output_dir", None)
+    if run_dir is not None and output_dir is not None:
+        raise ConfigError(f"run_dir: give run_dir or {args_name}.output_dir, not both")
+    run_dir = run_dir or output_dir
+    return Path(run_dir or Path("runs") / time.strftime(f"{prefix}-%Y%m%d-%H%M%S"))
+
+
 class GRPOTrainer:
     """Train a policy with GRPO from Python; see the module docstring."""
 
@@ -227,11 +236,7 @@ class GRPOTrainer:
         self.args = args
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        output_dir = getattr(args, "output_dir", None)
-        if run_dir is not None and output_dir is not None:
-            raise ConfigError("run_dir: give run_dir or GRPOConfig.output_dir, not both")
-        run_dir = run_dir or output_dir
-        self.run_dir = Path(run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+        self.run_dir = _run_dir(run_dir, args, "GRPOConfig", "run")
 
     def train(self, resume: bool = False) -> TrainResult:
         """Run the GRPO loop (`resume=True` continues from the newest checkpoint)."""
@@ -324,11 +329,7 @@ class SFTTrainer:
         self.args = args
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        output_dir = getattr(args, "output_dir", None)
-        if run_dir is not None and output_dir is not None:
-            raise ConfigError("run_dir: give run_dir or SFTConfig.output_dir, not both")
-        run_dir = run_dir or output_dir
-        self.run_dir = Path(run_dir or Path("runs") / time.strftime("sft-%Y%m%d-%H%M%S"))
+        self.run_dir = _run_dir(run_dir, args, "SFTConfig", "sft")
 
     def train(self, resume: bool = False) -> TrainResult:
         """Run the SFT loop (`resume=True` continues from the newest checkpoint)."""
