@@ -1,7 +1,8 @@
 """The device mesh and the logical -> mesh axis rules; the only file that names mesh axes.
 
 Mesh axes: `data` (batch only), `fsdp` (batch and parameters: each device holds 1/fsdp of every
-large matrix; also MoE experts: `ExpertParallel`), `tensor` (heads, mlp, vocab). Parameters
+large matrix; also MoE experts: `ExpertParallel`), `context` (a row's tokens in the train step:
+`ContextParallel`), `tensor` (heads, mlp, vocab). Parameters
 carry logical names (see models/transformer.py); one rules table maps them to mesh axes and
 `mesh.rules` overrides entries. Batches are split over data x fsdp on their leading axis.
 Multi-host batches enter through `jax.make_array_from_process_local_data`.
@@ -26,7 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jgrpo.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 DEFAULT_RULES: dict[str, str | None] = {
@@ -45,8 +46,9 @@ DEFAULT_RULES: dict[str, str | None] = {
 }
 
 
-def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int, int, int]:
+    """(data, fsdp, context, tensor) with a -1 resolved to the remaining devices."""
+    sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.context, mesh_cfg.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
@@ -54,7 +56,8 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
         raise ConfigError(
-            f"mesh: data x fsdp x tensor = {math.prod(sizes)} but {num_devices} devices are visible"
+            f"mesh: data x fsdp x context x tensor = {math.prod(sizes)} but {num_devices} devices "
+            "are visible"
         )
     return tuple(sizes)
 
@@ -62,22 +65,22 @@ def resolve_mesh_shape(mesh_cfg: MeshConfig, num_devices: int) -> tuple[int, int
 def make_mesh(mesh_cfg: MeshConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     shape = resolve_mesh_shape(mesh_cfg, len(devices))
-    auto = (AxisType.Auto,) * 3
+    auto = (AxisType.Auto,) * len(MESH_AXES)
     processes = sorted({d.process_index for d in devices})
     if len(processes) == 1:
         return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
-    data, fsdp, tensor = shape
+    data, fsdp, context, tensor = shape
     per_host = len(devices) // len(processes)
-    if per_host % (fsdp * tensor) == 0 and data % len(processes) == 0:
+    if per_host % (fsdp * context * tensor) == 0 and data % len(processes) == 0:
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_hybrid_device_mesh(
-            (data // len(processes), fsdp, tensor),
-            (len(processes), 1, 1),
+            (data // len(processes), fsdp, context, tensor),
+            (len(processes), 1, 1, 1),
             devices=devices,
             process_is_granule=True,
         )
-    else:  # a model replica spans hosts: fsdp/tensor groups run over hosts in process order
+    else:  # a replica spans hosts: fsdp/context/tensor groups run over hosts in process order
         grid = np.asarray(sorted(devices, key=lambda d: (d.process_index, d.id))).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=auto)
 
@@ -184,6 +187,43 @@ def expert_parallel(mesh: Mesh, rules) -> Optional[ExpertParallel]:
     return ExpertParallel(mesh, axis, batch_sharding(mesh, 3).spec, w_in, w_out, partial)
 
 
+class ContextParallel(NamedTuple):
+    """How the train step splits a row's tokens over the `context` axis (models/context.py).
+
+    A row of t tokens is cut into 2C chunks and permuted zig-zag (device i of the C holds
+    chunks i and 2C-1-i); the layers' [b, t, d] activations are split over `axis` on t. Inside
+    a `shard_map` each device all-gathers the keys and values of its rows over `axis` and runs
+    blockwise attention for its own query chunks."""
+
+    mesh: Mesh
+    axis: str
+    """The mesh axis a row's tokens are split over."""
+    size: int
+    """Devices on that axis (C)."""
+    activations: NamedSharding
+    """[b, t, d] activations of permuted rows: rows over data x fsdp, tokens over context."""
+    qkv: PartitionSpec
+    """[b, t, heads, h] queries, keys and values: heads over tensor where both head counts
+    divide (else whole)."""
+    tokens: PartitionSpec
+    """[b, t] per-token arrays (valid keys, segment ids) of permuted rows."""
+
+
+def context_parallel(mesh: Mesh, rules, num_heads: int, num_kv_heads: int):
+    """The `ContextParallel` of `mesh`, or None when it has no context axis over 1 device."""
+    size = mesh.shape.get("context", 1)
+    if size == 1:
+        return None
+    heads = rules.get("heads")
+    split = mesh.shape.get(heads, 1) if heads is not None else 1
+    if heads != rules.get("kv_heads") or num_heads % split or num_kv_heads % split:
+        heads = None
+    tokens = PartitionSpec(BATCH_AXES, "context")
+    qkv = PartitionSpec(BATCH_AXES, "context", heads, None)
+    acts = NamedSharding(mesh, PartitionSpec(BATCH_AXES, "context", None))
+    return ContextParallel(mesh, "context", size, acts, qkv, tokens)
+
+
 class LogitShardings(NamedTuple):
     """Where `Transformer.token_logprobs` (the trainer's chunked LM head) puts its pieces.
 
@@ -213,7 +253,7 @@ class LogitShardings(NamedTuple):
 
 def logit_shardings(mesh: Mesh, head: NamedSharding, vocab_size: int) -> LogitShardings:
     """The `LogitShardings` of a model with `vocab_size` whose stored head has sharding `head`."""
-    vocab_axes = tuple(a for a in MESH_AXES if a != "data" and mesh.shape[a] > 1)
+    vocab_axes = tuple(a for a in MESH_AXES if a != "data" and mesh.shape.get(a, 1) > 1)
     split = math.prod(mesh.shape[a] for a in vocab_axes)
     out_bc = batch_sharding(mesh, 2)
     if split == 1 or vocab_size % split:  # nothing to split, or no even split
@@ -252,7 +292,7 @@ def host_mesh(mesh: Mesh) -> Mesh:
     rows = [r for r in range(mesh.devices.shape[0]) if local[r].all()]
     if not rows or local.sum() != local[rows].sum():
         raise ConfigError(
-            f"mesh: fsdp x tensor = {mesh.shape['fsdp'] * mesh.shape['tensor']} spans more than "
+            f"mesh: fsdp x context x tensor = {len(mesh.devices[0].flat)} spans more than "
             f"one host ({jax.local_device_count()} devices): rollout.backend=local samples per "
             "host and needs a whole model replica on each; lower mesh.fsdp/mesh.tensor or use "
             "rollout.backend=ray"

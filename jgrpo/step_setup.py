@@ -32,8 +32,33 @@ from jgrpo.step import StepFlags, StepHparams, TrainState, make_train_step
 
 def check_batch_split(cfg: Config, num_devices: int) -> None:
     """Every minibatch/microbatch chunk must split evenly over the batch-sharded devices."""
-    data, fsdp, _ = sharding.resolve_mesh_shape(cfg.mesh, num_devices)
+    data, fsdp, _, _ = sharding.resolve_mesh_shape(cfg.mesh, num_devices)
     _check_rows_split(cfg, data * fsdp)
+    check_context(cfg)
+
+
+def check_context(cfg: Config, moe: bool = False) -> None:
+    """mesh.context > 1: every row (or packed row) splits into 2 x context chunks of whole
+    attention blocks, each device's tokens into whole logprob chunks; dense models only."""
+    c = cfg.mesh.context
+    if c == 1:
+        return
+    if moe:
+        raise ConfigError("mesh.context: MoE models do not split rows over context; use 1")
+    ro = cfg.rollout
+    t = (
+        cfg.grpo.sequence_packing and cfg.grpo.packing_budget
+    ) or ro.prompt_bucket + ro.max_new_tokens
+    chunk = t // (2 * c)
+    block = min(cfg.model.attention_block_size or chunk, chunk)
+    per = t // c
+    lp = min(cfg.model.logprob_chunk_size or per, per)
+    if t % (2 * c) or chunk % block or per % lp:
+        raise ConfigError(
+            f"mesh.context={c}: rows of {t} tokens need t divisible by {2 * c}, its {2 * c} "
+            f"chunks ({chunk}) by model.attention_block_size ({block}) and t / {c} ({per}) by "
+            f"model.logprob_chunk_size ({lp})"
+        )
 
 
 def _check_rows_split(cfg: Config, batch_devices: int) -> None:
@@ -76,7 +101,7 @@ def _reference_copy(params, dtype):
 
 
 def constrained_graphdef(
-    model: nnx.Module, activation_sharding, logit_shardings, expert_parallel=None
+    model: nnx.Module, activation_sharding, logit_shardings, expert_parallel=None, context=None
 ):
     """The graph def of `model` with its [b, t, d] activations pinned to the batch sharding
     and its LM head laid out by `logit_shardings` (`sharding.LogitShardings`: vocab-parallel
@@ -90,21 +115,27 @@ def constrained_graphdef(
     small). Likewise the head's gradient: unpinned, each chunk's [d, V] float32 gradient and
     its accumulator stayed whole on every device.
     An MoE model also gets `expert_parallel` (`sharding.ExpertParallel` or None): its blocks
-    then run their experts split over the mesh (models/moe_parallel.py).
+    then run their experts split over the mesh (models/moe_parallel.py); a dense one
+    `context` (`sharding.ContextParallel` or None: rows split over context, models/context.py).
     `model` itself is left as it was (the sampler's graph stays unconstrained: its batches
     need not divide, and its MoE blocks run every expert)."""
     moe = isinstance(model, MoETransformer)
     before = model.activation_sharding, model.logit_shardings
     before_ep = model.expert_parallel if moe else None
+    before_cp = None if moe else model.context_parallel
     model.activation_sharding, model.logit_shardings = activation_sharding, logit_shardings
     if moe:
         model.expert_parallel = expert_parallel
+    else:
+        model.context_parallel = context
     try:
         return nnx.graphdef(model)
     finally:
         model.activation_sharding, model.logit_shardings = before
         if moe:
             model.expert_parallel = before_ep
+        else:
+            model.context_parallel = before_cp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,6 +250,7 @@ def build_step(
     teacher (concrete or abstract, as `model`), required iff distillation.teacher is set."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
+    check_context(cfg, isinstance(model, MoETransformer))
     rules = sharding.make_rules(cfg.mesh)
     frozen = None
     if (cfg.model.lora.rank > 0) != (model.cfg.lora is not None):
@@ -242,7 +274,9 @@ def build_step(
     head_sharding = sharding.param_shardings(nnx.state(model), mesh, rules)[head]
     logits = sharding.logit_shardings(mesh, head_sharding, model.cfg.vocab_size)
     ep = sharding.expert_parallel(mesh, rules)
-    graphdef = constrained_graphdef(model, sharding.batch_sharding(mesh, 3), logits, ep)
+    cp = sharding.context_parallel(mesh, rules, model.cfg.num_heads, model.cfg.num_kv_heads)
+    acts = sharding.batch_sharding(mesh, 3) if cp is None else cp.activations
+    graphdef = constrained_graphdef(model, acts, logits, ep, cp)
     tx = make_optimizer(cfg)
     rep = sharding.replicated(mesh)
     params_abstract = _with_shardings(jax.eval_shape(lambda p: p, params), p_shard)

@@ -367,6 +367,7 @@ def check_lora(lora: LoRAConfig) -> None:
 
 def check_mesh(mesh: MeshConfig) -> None:
     """mesh: axis sizes, at most one of them -1."""
+    _require(mesh.context >= 1, f"mesh.context: must be >= 1, got {mesh.context}")
     for key in ("data", "fsdp", "tensor"):
         value = getattr(mesh, key)
         _require(value == -1 or value >= 1, f"mesh.{key}: must be >= 1 or -1, got {value}")

@@ -413,6 +413,8 @@ class MeshConfig:
     """Data-parallel axis size (-1 = the remaining devices)."""
     fsdp: int = 1
     """Fully-sharded axis size: parameters and optimizer state are split over it."""
+    context: int = 1
+    """Context-parallel axis size: the train step splits each row's tokens over it."""
     tensor: int = 1
     """Tensor-parallel axis size (heads, mlp, vocab)."""
     rules: tuple[tuple[str, Optional[str]], ...] = ()

@@ -70,6 +70,8 @@ def join_lora(graphdef, trainable, frozen=None) -> Transformer:
     model.activation_sharding = model.logit_shardings = None
     if isinstance(model, MoETransformer):
         model.expert_parallel = None
+    else:
+        model.context_parallel = None
     return model
 
 

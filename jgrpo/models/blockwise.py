@@ -63,17 +63,29 @@ def blockwise_attention(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs=None, *, b
         )
         valid_bs = jnp.pad(valid_bs, pad)
         segments_bs = jnp.pad(segments_bs, pad, constant_values=-1)
-    out_btnh = _attention(q_btnh, k_bskh, v_bskh, valid_bs.astype(jnp.bool_), segments_bs, block)
+    qblocks = jnp.arange(padded // block)
+    valid_bs = valid_bs.astype(jnp.bool_)
+    out_btnh = _attention(
+        q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, segments_bs, qblocks, block
+    )
     return out_btnh[:, :t]
 
 
-def _visible(i, j, block, valid_bs, segments_bs):
-    """[b, block_q, block_k] mask of query block i against key block j."""
-    qpos = i * block + jnp.arange(block)
+def blockwise_attention_at(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block):
+    """Causal attention of query blocks that sit anywhere in the row: query block i (of t /
+    block) is block `qblocks[i]` of the s-token row of keys (ascending; t and s multiples of
+    `block`), so it sees keys up to its end. The context axis's local chunks (models/context.py)."""
+    valid_bs = valid_bs.astype(jnp.bool_)
+    return _attention(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block)
+
+
+def _visible(i, g, j, block, valid_bs, seg_q_bt, seg_k_bs):
+    """[b, block_q, block_k] mask of query block i (block g of the row) against key block j."""
+    qpos = g * block + jnp.arange(block)
     kpos = j * block + jnp.arange(block)
     valid_bk = jax.lax.dynamic_slice_in_dim(valid_bs, j * block, block, axis=1)
-    seg_q = jax.lax.dynamic_slice_in_dim(segments_bs, i * block, block, axis=1)
-    seg_k = jax.lax.dynamic_slice_in_dim(segments_bs, j * block, block, axis=1)
+    seg_q = jax.lax.dynamic_slice_in_dim(seg_q_bt, i * block, block, axis=1)
+    seg_k = jax.lax.dynamic_slice_in_dim(seg_k_bs, j * block, block, axis=1)
     causal_qk = qpos[:, None] >= kpos[None, :]
     return causal_qk[None] & valid_bk[:, None, :] & (seg_q[:, :, None] == seg_k[:, None, :])
 
@@ -93,7 +105,7 @@ def _scores(q_bqkgh, k_bkkh, mask_bqk, scale):
     return jnp.where(mask_bqk[:, None, :, None, :], s * scale, MASK_VALUE)
 
 
-def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
+def _forward(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block):
     """-> (out [b, t, n, h] in q's dtype, lse [b, k, t, g] float32)."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
@@ -101,12 +113,13 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
     scale = np.float32(1 / math.sqrt(h))
     q_btkgh = _grouped(q_btnh, kv)
 
-    def query_block(i):
+    def query_block(ig):
+        i, gi = ig  # the local query block and its block in the row
         q_i = _block(q_btkgh, i, block)
 
         def key_block(j, carry):
             m, l, acc = carry  # [b, k, q, g], [b, k, q, g], [b, k, q, g, h]
-            mask = _visible(i, j, block, valid_bs, segments_bs)
+            mask = _visible(i, gi, j, block, valid_bs, seg_q_bt, seg_k_bs)
             s = _scores(q_i, _block(k_bskh, j, block), mask, scale)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
@@ -124,28 +137,32 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
             jnp.zeros((b, kv, block, g), jnp.float32),
             jnp.zeros((b, kv, block, g, h), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)  # key blocks up to the diagonal
+        m, l, acc = jax.lax.fori_loop(0, gi + 1, key_block, init)  # key blocks to the diagonal
         out = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, block, n, h)
         return out.astype(q_btnh.dtype), m + jnp.log(l)
 
-    outs, lses = jax.lax.map(query_block, jnp.arange(t // block))
+    outs, lses = jax.lax.map(query_block, (jnp.arange(t // block), qblocks))
     out_btnh = outs.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
     lse_bktg = lses.transpose(1, 2, 0, 3, 4).reshape(b, kv, t, g)
     return out_btnh, lse_bktg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
-    return _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block):
+    return _forward(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block)[0]
 
 
-def _attention_fwd(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
-    out_btnh, lse_bktg = _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block)
-    return out_btnh, (q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, out_btnh, lse_bktg)
+def _attention_fwd(q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block):
+    out_btnh, lse_bktg = _forward(
+        q_btnh, k_bskh, v_bskh, valid_bs, seg_q_bt, seg_k_bs, qblocks, block
+    )
+    masks = (valid_bs, seg_q_bt, seg_k_bs, qblocks)
+    return out_btnh, (q_btnh, k_bskh, v_bskh, masks, out_btnh, lse_bktg)
 
 
 def _attention_bwd(block, residuals, dout_btnh):
-    q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, out_btnh, lse_bktg = residuals
+    q_btnh, k_bskh, v_bskh, masks, out_btnh, lse_bktg = residuals
+    valid_bs, seg_q_bt, seg_k_bs, qblocks = masks
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     scale = np.float32(1 / math.sqrt(h))
@@ -167,7 +184,7 @@ def _attention_bwd(block, residuals, dout_btnh):
             q_i, do_i = _block(q_btkgh, i, block), _block(do_btkgh, i, block)
             lse_i = jax.lax.dynamic_slice_in_dim(lse_bktg, i * block, block, axis=2)
             delta_i = jax.lax.dynamic_slice_in_dim(delta_bktg, i * block, block, axis=2)
-            mask = _visible(i, j, block, valid_bs, segments_bs)
+            mask = _visible(i, qblocks[i], j, block, valid_bs, seg_q_bt, seg_k_bs)
             p = jnp.exp(_scores(q_i, k_j, mask, scale) - lse_i[..., None])  # [b, k, q, g, s]
             dv = dv + jnp.einsum(
                 "bkqgs,bqkgh->bskh",
@@ -196,11 +213,12 @@ def _attention_bwd(block, residuals, dout_btnh):
 
         zeros = jnp.zeros((b, block, kv, h), jnp.float32)
         # query blocks from the diagonal down: the ones above never see key block j
-        dq_btkgh, dk, dv = jax.lax.fori_loop(j, nb, query_block, (dq_btkgh, zeros, zeros))
+        first = jnp.sum(qblocks < j).astype(j.dtype)
+        dq_btkgh, dk, dv = jax.lax.fori_loop(first, nb, query_block, (dq_btkgh, zeros, zeros))
         return dq_btkgh, (dk, dv)
 
     dq_btkgh, (dks, dvs) = jax.lax.scan(
-        key_block, jnp.zeros(q_btkgh.shape, jnp.float32), jnp.arange(nb)
+        key_block, jnp.zeros(q_btkgh.shape, jnp.float32), jnp.arange(k_bskh.shape[1] // block)
     )
     dk_bskh = dks.transpose(1, 0, 2, 3, 4).reshape(k_bskh.shape).astype(k_bskh.dtype)
     dv_bskh = dvs.transpose(1, 0, 2, 3, 4).reshape(v_bskh.shape).astype(v_bskh.dtype)
@@ -208,6 +226,8 @@ def _attention_bwd(block, residuals, dout_btnh):
         dq_btkgh.reshape(q_btnh.shape).astype(q_btnh.dtype),
         dk_bskh,
         dv_bskh,
+        None,
+        None,
         None,
         None,
     )

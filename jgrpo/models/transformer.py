@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jgrpo.models import context as _context
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
 from jgrpo.models.blockwise import RowMask, blockwise_attention
@@ -235,6 +236,9 @@ class Transformer(nnx.Module):
         # where token_logprobs puts the LM head and its chunks (a jgrpo.sharding.LogitShardings:
         # the vocab-parallel head), static in the graph def likewise (None = propagation)
         self.logit_shardings = None
+        # how token_logprobs splits rows over the mesh's context axis (a jgrpo.sharding.
+        # ContextParallel, models/context.py), static likewise (None = rows stay whole)
+        self.context_parallel = None
         d, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt, s = cfg.jnp_param_dtype, init_scale
@@ -330,10 +334,17 @@ class Transformer(nnx.Module):
         return RowMask(mask_bt, segments), rope
 
     def _hidden(
-        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, segments=None
+        self,
+        input_ids_bt,
+        positions_bt=None,
+        attention_mask_bt=None,
+        use_lora=True,
+        segments=None,
+        context=False,
     ):
         """The layer stack -> hidden states [b, t, d] before the final norm (compute dtype).
         `segments` = (positions_bt, segment_ids_bt) of packed rows (`token_logprobs`).
+        `context`: rows permuted and split over `self.context_parallel` (models/context.py).
 
         Each layer's stored weights are cast to the compute dtype inside the scan body, so no
         full-model copy in the compute dtype exists, and in the backward their gradients leave
@@ -344,8 +355,11 @@ class Transformer(nnx.Module):
         layer input enters the checkpoint as its integer view too, so the stack of inputs the
         backward keeps is uint16, not float32."""
         cfg = self.cfg
+        t = input_ids_bt.shape[1]
         if segments is None:
-            mask, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+            mask, rope = self._attention_inputs(
+                input_ids_bt, positions_bt, attention_mask_bt, t if context else None
+            )
         else:  # every position of a packed row is < its width
             positions_bt, segments_bt = segments
             mask, rope = self._attention_inputs(
@@ -361,7 +375,11 @@ class Transformer(nnx.Module):
             p = cast_floats(p, cfg.jnp_dtype)
             x_btd = self._constrain(x_btd)
             q, k, v = _layer_qkv(p, cfg, x_btd, rope)
-            attn_btnh = attention(q, k, v, mask, cfg)
+            if context:
+                cp, block = self.context_parallel, cfg.attention_block_size
+                attn_btnh = _context.attention(q, k, v, mask, cp, block)
+            else:
+                attn_btnh = attention(q, k, v, mask, cfg)
             return self._constrain(_layer_out(p, cfg, x_btd, attn_btnh)), None
 
         if cfg.remat != "none":
@@ -418,6 +436,9 @@ class Transformer(nnx.Module):
         vocab-parallel (`jgrpo.sharding.LogitShardings`): each device holds a vocab slice in
         its stored dtype (cast inside each chunk, so its gradient sums over chunks in float32)
         and computes that slice's logits. Otherwise it is cast once, before the loop."""
+        if self.context_parallel is not None:
+            args = (attention_mask_bt, temperature, use_lora, first_scored, packed)
+            return _context.token_logprobs(self, input_ids_bt, *args)
         cfg = self.cfg
         seg = None if packed is None else packed[:2]
         x_btd = self._final_norm(self._hidden(input_ids_bt, None, attention_mask_bt, use_lora, seg))
@@ -437,6 +458,16 @@ class Transformer(nnx.Module):
         x_bnd = jnp.pad(x_bnd, ((0, 0), (0, k * c - n), (0, 0)))
         x_kbcd = jnp.swapaxes(x_bnd.reshape(b, k, c, -1), 0, 1)
         targets_kbc = jnp.swapaxes(targets_bn.reshape(b, k, c), 0, 1)
+        lp_kbc = self._chunk_logprobs(x_kbcd, targets_kbc, temperature)
+        lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
+        if packed is not None:
+            return jnp.where(packed[2] > 0, lp_bn, 0.0)
+        return jnp.pad(lp_bn, ((0, 0), (first, 0)))
+
+    def _chunk_logprobs(self, x_kbcd, targets_kbc, temperature):
+        """[k, b, c] logprobs of targets_kbc from the final-normed x_kbcd, chunk by chunk
+        (`token_logprobs`' LM head loop)."""
+        cfg, k = self.cfg, x_kbcd.shape[0]
         temperature = jnp.asarray(temperature, jnp.float32)
         temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
         # the stored head pinned to its own sharding (its gradient is reduce-scattered into
@@ -472,11 +503,7 @@ class Transformer(nnx.Module):
 
         if k > 1:  # one chunk: no recompute (the docstring)
             chunk = jax.checkpoint(chunk, prevent_cse=False)
-        lp_kbc = jax.lax.map(chunk, (x_kbcd, targets_kbc))
-        lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
-        if packed is not None:
-            return jnp.where(packed[2] > 0, lp_bn, 0.0)
-        return jnp.pad(lp_bn, ((0, 0), (first, 0)))
+        return jax.lax.map(chunk, (x_kbcd, targets_kbc))
 
     def prefill(
         self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None
