@@ -121,6 +121,7 @@ class MoETransformer(Transformer):
         self.cfg = cfg
         self.activation_sharding = None  # as Transformer's (jgrpo.step_setup sets them)
         self.logit_shardings = None
+        self.context_parallel = None  # dense models only (step_setup.check_context)
         # the trainer's sharding.ExpertParallel (static in the graph def like the above; set by
         # step_setup.constrained_graphdef): None = every expert on every device (the sampler)
         self.expert_parallel = None
