@@ -139,3 +139,29 @@ def test_zigzag_places_chunks_and_bad_rows_are_refused():
     with pytest.raises(ConfigError, match=r"mesh.context=5: rows of 24 tokens") as err:
         step_setup.check_context(cfg)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.heavy
+def test_two_process_pod_with_context_matches_one_process(tmp_path):
+    """`jgrpo train` (configs/tiny.yaml, 24-token rows) on data 4 x context 2: 2 processes x 4
+    devices (each host's rows split over its own 2-device context groups) = 1 process x 8."""
+    from test_distributed import COMPARED, OVERRIDES, REWARD, _launch, _log, _wait
+
+    from jgrpo.metrics import read_metrics
+
+    (tmp_path / "pod_rewards.py").write_text(REWARD)
+    overrides = [o for o in OVERRIDES if not o.startswith("mesh.")]
+    overrides += ["mesh.data=4", "mesh.fsdp=1", "mesh.context=2", "checkpoint.save_period=0"]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    runs = {
+        one: _launch(tmp_path, one, 1, overrides=overrides),
+        pod: _launch(tmp_path, pod, 2, overrides=overrides),
+    }
+    for run_dir, procs in runs.items():
+        assert set(_wait(procs)) == {0}, _log(tmp_path, run_dir, 0)[-3000:]
+    want, got = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0.1 for r in want)
+    for a, b in zip(got, want):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)

@@ -130,6 +130,8 @@ RECIPES = {
     "qwen3_235b_a22b_pod.yaml": (QWEN3_235B_A22B, 128, 80 * 10**9, 235_093_634_560),
     # long reasoning rollouts: 1k prompt + 32k completion per row (docs/long-context.md)
     "qwen3_4b_32k_long.yaml": (QWEN3_4B, 8, 80 * 10**9, 4_022_468_096),
+    # 128k-token rows on a pod, each split over a host's 8 devices (mesh.context)
+    "qwen3_4b_128k_pod.yaml": (QWEN3_4B, 32, 80 * 10**9, 4_022_468_096),
 }
 
 
@@ -228,6 +230,12 @@ def test_recipe_fits_its_device(name, tmp_path):
     assert report["device_bytes_needed"] == device_bytes(report)
     if "32k" in name:  # one 33,792-token row per device per microbatch, blockwise attention
         assert report["mesh"]["fsdp"] == 8 and report["logprob_chunk_size"] == 512
+    if "128k" in name:  # one 131,072-token row per host per microbatch, over its 8 devices
+        assert report["mesh"] == {"data": 4, "fsdp": 1, "context": 8, "tensor": 1}
+        # the sampler does not split rows over context: every device of a host holds the
+        # whole cache of the host's decode slots (docs/long-context.md), not kv / (data x fsdp)
+        whole = report["peak_bytes_per_device_estimate"] + report["kv_cache_bytes"]
+        assert whole <= (1 - MARGIN) * memory
     if name.endswith("_t4.yaml"):  # no bfloat16 on a T4: float32 throughout
         assert report["compute_dtype"] == report["param_dtype"] == "float32"
     else:
