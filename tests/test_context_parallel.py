@@ -1,10 +1,12 @@
 """Context parallelism (mesh.context): a row's tokens split over devices give the unsplit step.
 
-The reference is the 1-device step of the tiny model with materialised attention; the split
-steps run blockwise attention in 3-token blocks (several blocks per chunk, so the diagonal
-skipping of off-diagonal chunks is exercised) and 3-token logprob chunks, on 8 fake devices.
-Same gradients and metrics to 1e-5 (nonzero gradients), padded and packed rows, with the
-reference and prev forwards, LoRA, and meshes mixing context with data, fsdp and tensor."""
+The reference is the tiny model on one device with materialised attention; the split runs use
+blockwise attention with several blocks per chunk (so the diagonal skipping of off-diagonal
+chunks is exercised) and several logprob chunks per device, on 8 fake devices. make test: the
+logprobs and gradients of split rows (one layer, 16 tokens). Heavy: the whole step (metrics
+and gradients to 1e-5, nonzero) on meshes mixing context 2/4 with data, fsdp and tensor,
+padded and packed rows, the reference and prev forwards, LoRA; 512-token rows on context 8;
+a 2-process pod."""
 
 import dataclasses
 
@@ -63,8 +65,57 @@ def assert_same(split, whole):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g1, g0)
 
 
+def logprobs_and_grads(fields, ids, mask, mesh_cfg=None):
+    """(token_logprobs, gradient of their `scored` sum) of the tiny model with `fields`, the
+    rows whole (mesh_cfg None: one device) or split over mesh_cfg's context axis."""
+    model = Transformer(dataclasses.replace(MODEL, **fields), rngs=nnx.Rngs(1), init_scale=0.2)
+    graphdef, state = nnx.split(model)
+    if mesh_cfg is not None:
+        n = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.context * mesh_cfg.tensor
+        mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
+        cp = sharding.context_parallel(mesh, sharding.make_rules(mesh_cfg), 4, 2)
+        graphdef = step_setup.constrained_graphdef(model, cp.activations, None, None, cp)
+
+    def total(state):
+        lp = nnx.merge(graphdef, state).token_logprobs(ids, mask, 0.9, first_scored=3)
+        return jnp.sum(jnp.where(scored(mask), lp, 0.0)), lp
+
+    (_, lp), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(state)
+    return np.asarray(lp), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
+
+
+def padded_rows(t, seed=0):
+    rng = np.random.RandomState(seed)
+    ids = jnp.asarray(rng.randint(0, MODEL.vocab_size, (4, t)), jnp.int32)
+    mask = np.ones((4, t), np.float32)
+    mask[0, : t // 5], mask[1, t - t // 7 :], mask[3, : t // 3] = 0, 0, 0  # padded either end
+    return ids, jnp.asarray(mask)
+
+
+def scored(mask):
+    """Columns whose token and the token before it are real: a padding slot's hidden state
+    depends on the attention path (it sees no key), so a token scored from one is not
+    compared (the step never scores one: left padding is in the prompt)."""
+    mask = np.asarray(mask, bool)
+    return mask & np.pad(mask[:, :-1], ((0, 0), (1, 0)))
+
+
+def test_split_rows_give_the_unsplit_logprobs_and_gradients():
+    """make test's proof: 1 layer, 16-token rows on data 2 x fsdp 2 x context 2 (4-token
+    chunks of two 2-token blocks) = the unsplit materialised forward, value and gradient."""
+    ids, mask = padded_rows(16)
+    split = dict(num_layers=1, attention_block_size=2, logprob_chunk_size=4)
+    lp0, g0 = logprobs_and_grads(dict(num_layers=1), ids, mask)
+    mesh_cfg = MeshConfig(data=2, fsdp=2, context=2)
+    lp1, g1 = logprobs_and_grads(split, ids, mask, mesh_cfg)
+    np.testing.assert_allclose(lp1[scored(mask)], lp0[scored(mask)], atol=1e-5)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(g0)) > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g1, g0)
+
+
+@pytest.mark.heavy
 def test_context_split_step_equals_the_one_device_step():
-    """make test's proof: packed rows on data 2 x fsdp 2 x context 2 = the 1-device step."""
+    """Packed rows on data 2 x fsdp 2 x context 2 = the 1-device step."""
     assert_same(step_math(True, (2, 2, 2, 1)), step_math(True))
 
 
@@ -85,29 +136,17 @@ def test_context_with_lora():
 
 @pytest.mark.heavy
 def test_long_row_logprobs_equal_the_unsplit_row():
-    """Two 512-token rows (padded at either end) on context 8, 16-token blocks: their
-    logprobs equal the unsplit materialised forward's; and the parameters after one whole
+    """Four 512-token rows on context 8 (16-token blocks, 32-token logprob chunks): logprobs and
+    gradients equal the unsplit materialised forward's; and the parameters after one whole
     train step (jitted as a run runs it) on context 2 equal the 1-device step's."""
-    t = 512
-    model = Transformer(MODEL, rngs=nnx.Rngs(1), init_scale=0.2)
-    rng = np.random.RandomState(0)
-    ids = jnp.asarray(rng.randint(0, MODEL.vocab_size, (2, t)), jnp.int32)
-    mask = np.ones((2, t), np.float32)
-    mask[0, :7], mask[1, 480:] = 0, 0
-    want = jax.jit(lambda m: m.token_logprobs(ids, mask, 0.9, first_scored=5))(model)
-    mesh_cfg = MeshConfig(data=1, context=8)
-    mesh = sharding.make_mesh(mesh_cfg, jax.devices())
-    long = dataclasses.replace(MODEL, attention_block_size=16, logprob_chunk_size=32)
-    split = Transformer(long, rngs=nnx.Rngs(1), init_scale=0.2)
-    cp = sharding.context_parallel(mesh, sharding.make_rules(mesh_cfg), 4, 2)
-    graphdef = step_setup.constrained_graphdef(split, cp.activations, None, None, cp)
-    state = nnx.state(split)
-    got = jax.jit(lambda s: nnx.merge(graphdef, s).token_logprobs(ids, mask, 0.9, first_scored=5))(
-        state
-    )
-    real = np.asarray(mask, bool)
-    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-5)
-    assert np.all(np.asarray(got)[:, :5] == 0)
+    ids, mask = padded_rows(512)
+    lp0, g0 = logprobs_and_grads({}, ids, mask)
+    split = dict(attention_block_size=16, logprob_chunk_size=32)
+    lp1, g1 = logprobs_and_grads(split, ids, mask, MeshConfig(data=1, context=8))
+    np.testing.assert_allclose(lp1[scored(mask)], lp0[scored(mask)], atol=1e-5)
+    assert np.all(lp1[:, :3] == 0)
+    assert max(np.abs(g).max() for g in jax.tree.leaves(g0)) > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g1, g0)
 
     whole, parts = build(True), build(True, (1, 1, 2, 1))
     host = TrainBatch(**host_batch(0))
@@ -117,9 +156,8 @@ def test_long_row_logprobs_equal_the_unsplit_row():
     )
     ref = jax.tree.map(lambda x: x * 0.9, parts.state.params)
     new_parts, metrics = parts.step_fn(parts.state, parts.device_batch(host), parts.hparams, ref)
-    assert float(metrics["loss/total"]) == pytest.approx(
-        float(metrics_whole["loss/total"]), abs=1e-5
-    )
+    loss = float(metrics["loss/total"])
+    assert loss == pytest.approx(float(metrics_whole["loss/total"]), abs=1e-5)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5),
         new_parts.params,
