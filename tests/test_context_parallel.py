@@ -66,8 +66,9 @@ def assert_same(split, whole):
 
 
 def logprobs_and_grads(fields, ids, mask, mesh_cfg=None):
-    """(token_logprobs, gradient of their `scored` sum) of the tiny model with `fields`, the
-    rows whole (mesh_cfg None: one device) or split over mesh_cfg's context axis."""
+    """(token_logprobs, gradient of their `scored` mean, as the loss's token mean) of the
+    tiny model with `fields`, the rows whole (mesh_cfg None: one device) or split over
+    mesh_cfg's context axis."""
     model = Transformer(dataclasses.replace(MODEL, **fields), rngs=nnx.Rngs(1), init_scale=0.2)
     graphdef, state = nnx.split(model)
     if mesh_cfg is not None:
@@ -78,7 +79,7 @@ def logprobs_and_grads(fields, ids, mask, mesh_cfg=None):
 
     def total(state):
         lp = nnx.merge(graphdef, state).token_logprobs(ids, mask, 0.9, first_scored=3)
-        return jnp.sum(jnp.where(scored(mask), lp, 0.0)), lp
+        return jnp.sum(jnp.where(scored(mask), lp, 0.0)) / scored(mask).sum(), lp
 
     (_, lp), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(state)
     return np.asarray(lp), jax.tree.map(np.asarray, nnx.to_pure_dict(grads))
