@@ -54,10 +54,12 @@ def check_context(cfg: Config, moe: bool = False) -> None:
     per = t // c
     lp = min(cfg.model.logprob_chunk_size or per, per)
     if t % (2 * c) or chunk % block or per % lp:
+        m = cfg.model
         raise ConfigError(
-            f"mesh.context={c}: rows of {t} tokens need t divisible by {2 * c}, its {2 * c} "
-            f"chunks ({chunk}) by model.attention_block_size ({block}) and t / {c} ({per}) by "
-            f"model.logprob_chunk_size ({lp})"
+            f"mesh.context={c}: rows of {t} tokens must split into {2 * c} equal chunks of "
+            f"whole attention blocks (model.attention_block_size: {m.attention_block_size}) and "
+            f"{c} equal parts of whole logprob chunks (model.logprob_chunk_size: "
+            f"{m.logprob_chunk_size})"
         )
 
 
