@@ -294,7 +294,7 @@ def host_mesh(mesh: Mesh) -> Mesh:
         raise ConfigError(
             f"mesh: fsdp x context x tensor = {len(mesh.devices[0].flat)} spans more than "
             f"one host ({jax.local_device_count()} devices): rollout.backend=local samples per "
-            "host and needs a whole model replica on each; lower mesh.fsdp/mesh.tensor or use "
+            "host and needs a whole model replica on each; lower mesh.fsdp/context/tensor or use "
             "rollout.backend=ray"
         )
     return Mesh(mesh.devices[rows], mesh.axis_names, axis_types=mesh.axis_types)
