@@ -138,8 +138,8 @@ def test_context_with_lora():
 @pytest.mark.heavy
 def test_long_row_logprobs_equal_the_unsplit_row():
     """Four 512-token rows on context 8 (16-token blocks, 32-token logprob chunks): logprobs and
-    gradients equal the unsplit materialised forward's; and the parameters after one whole
-    train step (jitted as a run runs it) on context 2 equal the 1-device step's."""
+    gradients equal the unsplit materialised forward's; and one whole train step (jitted as a
+    run runs it, state donated) on context 2 gives the 1-device step's loss and gradient norm."""
     ids, mask = padded_rows(512)
     lp0, g0 = logprobs_and_grads({}, ids, mask)
     split = dict(attention_block_size=16, logprob_chunk_size=32)
@@ -157,13 +157,11 @@ def test_long_row_logprobs_equal_the_unsplit_row():
     )
     ref = jax.tree.map(lambda x: x * 0.9, parts.state.params)
     new_parts, metrics = parts.step_fn(parts.state, parts.device_batch(host), parts.hparams, ref)
-    loss = float(metrics["loss/total"])
-    assert loss == pytest.approx(float(metrics_whole["loss/total"]), abs=1e-5)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5),
-        new_parts.params,
-        new_whole.params,
-    )
+    for key in ("loss/total", "loss/pg", "train/grad_norm"):
+        assert float(metrics[key]) == pytest.approx(float(metrics_whole[key]), abs=1e-5), key
+    assert float(metrics_whole["train/grad_norm"]) > 1e-3
+    # the new parameters are not compared: Adam's first update divides each gradient by its
+    # own size, so a gradient of 1e-9 that differs by rounding moves its weight by up to lr
 
 
 def test_zigzag_places_chunks_and_bad_rows_are_refused():
