@@ -116,8 +116,13 @@ def test_split_rows_give_the_unsplit_logprobs_and_gradients():
 
 @pytest.mark.heavy
 def test_context_split_step_equals_the_one_device_step():
-    """Packed rows on data 2 x fsdp 2 x context 2 = the 1-device step."""
+    """Packed rows on data 2 x fsdp 2 x context 2 = the 1-device step; the context axis's
+    shard_map is in the step's program only when mesh.context > 1."""
     assert_same(step_math(True, (2, 2, 2, 1)), step_math(True))
+    for shape, present in (((2, 2, 2, 1), True), ((2, 4, 1, 1), False)):
+        built = build(True, shape)
+        jaxpr = str(jax.make_jaxpr(built.step_fn)(*built.abstract_args()[:4]))
+        assert ("shard_map" in jaxpr) == present and ("all_gather" in jaxpr) == present
 
 
 MESHES = [(1, 1, 2, 1), (1, 1, 4, 1), (2, 1, 4, 1), (1, 2, 4, 1), (1, 2, 2, 2)]
