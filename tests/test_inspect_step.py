@@ -127,7 +127,7 @@ def test_moe_flops_count_the_experts_each_path_runs():
     assert report["num_active_params"] < report["num_params"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_smollm2_shape_flops_and_memory_per_device(tmp_path):
     overrides = [
         "model.logprob_chunk_size=32",
