@@ -27,7 +27,7 @@ from jgrpo.models import from_pretrained
 from jgrpo.rollout import build_engine
 from jgrpo.rollout.conversation import ChatFormat
 from jgrpo.rollout.endpoint import Endpoint
-from jgrpo.tasks import verifiers_env
+from jgrpo.tasks import make_task, verifiers_env
 
 pytest.importorskip("verifiers.v1")
 
@@ -143,7 +143,7 @@ class ToolHarness(vf.Harness[vf.HarnessConfig]):
         async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret) as client:
             for _ in range(3):
                 r = await client.chat.completions.create(
-                    model=ctx.model, messages=messages, tools=[CALCULATOR], max_tokens=48
+                    model=ctx.model, messages=messages, tools=[CALCULATOR], max_tokens=100
                 )
                 message = r.choices[0].message
                 messages.append(message.model_dump(exclude_none=True))
@@ -170,6 +170,34 @@ def tasksets(tmp_path_factory):
         yield
 
 
+def run_episode(tok, taskset, args, index, reply):
+    """verifiers_env.episode of task `index` on a client thread while this thread serves a
+    jgrpo endpoint whose scripted sampler writes reply(prompt text) -> (its Rollout, result)."""
+    endpoint = Endpoint(tok, ChatFormat(tok, [tok.eos_token_id]).stop_ids, gather_s=0.05)
+    endpoint.start()
+    script = Script(tok, reply if callable(reply) else lambda p: reply)
+    ids = endpoint.open([0], SETTINGS)
+    out = {}
+
+    def run():
+        async def main():
+            url = endpoint.base_url(ids[0])
+            async with openai.AsyncOpenAI(base_url=url, api_key=endpoint.api_key) as client:
+                return await verifiers_env.episode(taskset, args, client, {"vf_task": index})
+
+        out["result"] = asyncio.run(main())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        while thread.is_alive():
+            endpoint.step(script, 1)
+    finally:
+        (rollout,) = endpoint.close_rollouts(ids)
+        endpoint.close()
+    return rollout, out["result"]
+
+
 def _cfg(*overrides):
     return load_config(None, ["data.task=prompts", "rollout.max_turns=4", *overrides])
 
@@ -191,32 +219,10 @@ def test_verifiers_environments_are_checked_and_run_against_the_endpoint(taskset
     assert names == ("exact", "short")
     assert records == [{"prompt": f"{i}+{i}=", "vf_task": i} for i in range(3)]
 
-    endpoint = Endpoint(tok, ChatFormat(tok, [tok.eos_token_id]).stop_ids, gather_s=0.05)
-    endpoint.start()
-    script = Script(tok, lambda p: "4<|im_end|>")
-    ids = endpoint.open([0], SETTINGS)
-    out = {}
-
-    def run():
-        async def main():
-            url = endpoint.base_url(ids[0])
-            async with openai.AsyncOpenAI(base_url=url, api_key=endpoint.api_key) as client:
-                args = {"num_tasks": 3}
-                return await verifiers_env.episode("jgrpo_vf_single", args, client, {"vf_task": 2})
-
-        out["result"] = asyncio.run(main())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        while thread.is_alive():
-            endpoint.step(script, 1)
-    finally:
-        (rollout,) = endpoint.close_rollouts(ids)
-        endpoint.close()
+    rollout, result = run_episode(tok, "jgrpo_vf_single", {"num_tasks": 3}, 2, "4<|im_end|>")
     # task 2 asks 2+2=: the reply "4" is exact (1 x 1) and short (1 x weight 0.5)
     terms = {"exact": 1.0, "short": 0.5}
-    assert out["result"] == {"reward": 1.5, "completion": "4", "terms": terms}
+    assert result == {"reward": 1.5, "completion": "4", "terms": terms}
     (call,) = rollout.calls
     (seq,) = rollout.sequences
     four = tok("4<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -225,6 +231,30 @@ def test_verifiers_environments_are_checked_and_run_against_the_endpoint(taskset
         [{"role": "user", "content": "2+2="}]
     )
     np.testing.assert_array_equal(np.float32(seq.logprobs), expected_logprobs(len(four), 0))
+
+
+def test_a_verifiers_tool_episode_continues_token_in_token_out(tasksets, tok):
+    """The tool taskset's harness offers the calculator through verifiers' interception
+    server: the model's tool call is parsed back, its result goes in, the second call extends
+    the first call's ids (one sequence: the model's ids in the mask, the template's not)."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"a":3,"b":4}}\n</tool_call><|im_end|>'
+    reply = lambda p: "12<|im_end|>" if "<tool_response>" in p else call  # noqa: E731
+    rollout, result = run_episode(tok, "jgrpo_vf_tools", {}, 0, reply)
+    assert result == {
+        "reward": 1.25,
+        "completion": "12",
+        "terms": {"exact": 1.0, "used_tool": 0.25},
+    }
+    first, second = rollout.calls
+    (seq,) = rollout.sequences
+    call_ids = tok(call, add_special_tokens=False)["input_ids"]
+    answer = tok("12<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert seq.region[: len(call_ids)] == call_ids and seq.region[-len(answer) :] == answer
+    n_reply = len(seq.region) - len(call_ids) - len(answer)
+    assert seq.generated == [True] * len(call_ids) + [False] * n_reply + [True] * len(answer)
+    want = [*expected_logprobs(len(call_ids), 0), *[0.0] * n_reply]
+    want += list(expected_logprobs(len(answer), 16))  # row 0, call 1, choice 0
+    np.testing.assert_array_equal(np.float32(seq.logprobs), np.float32(want))
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +293,10 @@ def test_verifiers_rollouts_train_on_exactly_the_sampled_tokens(tasksets, chat_m
     engine, graphdef = build_engine(cfg, chat_model)
     engine.task.agent_runner.start()
     params = nnx.state(from_pretrained(chat_model))
-    examples = engine.task.train.next_prompts(2)
+    data = make_task(cfg.data, 0, load_data=True)  # the taskset's records are the dataset
+    examples = data.train.next_prompts(2)
+    data.close()
+    assert all(set(e["row"]) == {"prompt", "vf_task"} for e in examples), examples
     try:
         result = engine.rollout(graphdef, params, examples, jax.random.key(0), 0, 2)
     finally:
