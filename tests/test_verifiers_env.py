@@ -215,6 +215,8 @@ def test_verifiers_environments_are_checked_and_run_against_the_endpoint(taskset
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="data.environment_args.*num_tasks"):
         verifiers_env.describe("jgrpo_vf_single", {"num_tasks": "many"})
+    with pytest.raises(ConfigError, match="BrowserUseHarness needs a container"):
+        verifiers_env.describe("jgrpo_vf_single", {"harness": {"id": "browser_use"}})
     records, names = verifiers_env.describe("jgrpo_vf_single", {"num_tasks": 3})
     assert names == ("exact", "short")
     assert records == [{"prompt": f"{i}+{i}=", "vf_task": i} for i in range(3)]

@@ -54,6 +54,10 @@ def load(tid: str, args: dict) -> tuple[Any, list]:
         if not env.taskset.bounded:
             raise ValueError("an infinite taskset (INFINITE = True) is not supported yet")
         tasks = list(env.taskset)
+        for harness in env._harnesses.values():
+            if harness.NEEDS_CONTAINER:
+                name = type(harness).__name__
+                raise ValueError(f"harness {name} needs a container; jgrpo runs `subprocess`")
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - any load failure is the config's
