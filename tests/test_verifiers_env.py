@@ -329,3 +329,37 @@ def test_verifiers_rollouts_train_on_exactly_the_sampled_tokens(tasksets, chat_m
         assert region.tolist() == seq.region
         mask = np.asarray(batch.token_mask[i])[-ro.max_new_tokens :][: len(seq.region)] > 0
         assert mask.tolist() == seq.generated
+
+
+@pytest.mark.heavy
+def test_grpo_trainer_trains_on_a_verifiers_environment(tasksets, chat_model, tmp_path):
+    """Two steps through train.run: the components are logged as reward/<name>/mean and the
+    train step's forward reproduces the endpoint's logprobs."""
+    import jgrpo
+    from jgrpo.metrics import read_metrics
+
+    trainer = jgrpo.GRPOTrainer(
+        None,
+        environment="verifiers:jgrpo_vf_single",
+        run_dir=tmp_path / "run",
+        overrides=[
+            f"model.path={chat_model}",
+            "data.task=prompts",
+            "data.environment_args={num_tasks: 8}",
+            "grpo.num_prompts_per_step=2",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.max_num_steps=2",
+            "grpo.val_period=0",
+            "rollout.max_new_tokens=64",
+            "rollout.prompt_bucket=32",
+            "rollout.max_turns=2",
+            "data.tool_processes=1",
+        ],
+    )
+    trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["agents/calls"] == 4 and r["agents/errors"] == 0
+        assert "reward/exact/mean" in r and "reward/short/mean" in r
+        assert 1.0 <= r["logprob/token_mult_prob_error"] <= 1.001
