@@ -347,7 +347,7 @@ def test_grpo_trainer_trains_on_a_verifiers_environment(tasksets, chat_model, tm
             "data.task=prompts",
             "data.environment_args={num_tasks: 8}",
             "grpo.num_prompts_per_step=2",
-            "grpo.num_generations_per_prompt=2",
+            "grpo.num_generations_per_prompt=4",
             "grpo.max_num_steps=2",
             "grpo.val_period=0",
             "rollout.max_new_tokens=64",
@@ -360,6 +360,7 @@ def test_grpo_trainer_trains_on_a_verifiers_environment(tasksets, chat_model, tm
     rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert len(rows) == 2
     for r in rows:
-        assert r["agents/calls"] == 4 and r["agents/errors"] == 0
+        assert r["agents/calls"] == 8 and r["agents/errors"] == 0
         assert "reward/exact/mean" in r and "reward/short/mean" in r
         assert 1.0 <= r["logprob/token_mult_prob_error"] <= 1.001
+        assert r["agents/sampler_batch_max"] > 1  # the episodes' calls meet in batches

@@ -7,7 +7,8 @@ component names; a missing package, unknown id or bad args is a one-line ConfigE
 rollout is `episode`, an agent (jgrpo.tasks.agents) run in the contained child: the env runs
 its own episode (harness, interception server, local subprocess runtime) against the rollout's
 endpoint, its task's rubric scores the trace; returned as {"reward", "completion", "terms":
-{component: weight * score}}. A failed episode raises its errors (counted, shown once)."""
+{component: weight * score}}. A failed episode raises its errors (counted, shown once), as
+does one whose components are not the first task's (the terms are fixed at start-up)."""
 
 from __future__ import annotations
 
@@ -135,5 +136,11 @@ async def episode(tid: str, args: dict, client, record: dict) -> dict:
         for name, r in trace.rewards.items():
             if r is not None:
                 terms[name] = terms.get(name, 0.0) + r.weight * r.score
+    unknown = set(terms) - set(describe(tid, args)[1])
+    if unknown:  # the reward terms are fixed at start-up (the first task's rewards)
+        raise ValueError(
+            f"the episode gave reward components {sorted(unknown)} that the "
+            f"taskset's first task does not declare"
+        )
     completion = result.traces[-1].last_reply if result.traces else None
     return {"reward": sum(terms.values()), "completion": completion or "", "terms": terms}
