@@ -446,13 +446,7 @@ class RolloutEngine:
         rows = [i for i in range(len(examples)) for _ in range(g)]
         row_examples = [examples[i] for i in rows]
         ok = np.asarray([results.get(b, (TIMEOUT,))[0] == OK for b in range(len(rows))], bool)
-        agent_rewards = np.asarray(
-            [
-                results[b][1]["reward"] if ok[b] and results[b][1]["reward"] is not None else np.nan
-                for b in range(len(rows))
-            ],
-            np.float64,
-        )
+        agent_rewards = agent_rollout.reward_columns(results, ok, task.agent_terms)
         prompts = [
             self.tokenizer.decode(r.sequences[0].prompt) if r.sequences else "" for r in rollouts
         ]

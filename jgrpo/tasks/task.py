@@ -43,6 +43,7 @@ from jgrpo.tasks.gsm8k import GSM8KTask
 from jgrpo.tasks.prompts import PromptsTask
 from jgrpo.tasks.rewards import ERROR, NONE, OK, TIMEOUT, RewardRunner
 from jgrpo.tasks.tools import ToolRunner
+from jgrpo.tasks.verifiers_env import describe, env_id, episode
 
 _KINDS = {
     "arithmetic": ArithmeticTask,
@@ -102,9 +103,17 @@ class Task:
         self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
+        vf_id, args = env_id(cfg.environment), dict(cfg.environment_args)
+        self.agent_terms: Optional[tuple[str, ...]] = None
+        """A verifiers environment's reward components (jgrpo.tasks.verifiers_env), else None."""
+        if vf_id is not None:
+            records, self.agent_terms = describe(vf_id, args)
+            if train_dataset is None and cfg.train_path is None:
+                train_dataset = [{cfg.prompt_key: r["prompt"], **r} for r in records]
+        env_terms = (ENVIRONMENT_TERM,) if cfg.environment is not None else ()
         self.reward_names = (
             tuple(rf.label for rf in cfg.reward_functions)
-            + (() if cfg.environment is None else (ENVIRONMENT_TERM,))
+            + (self.agent_terms if vf_id is not None else env_terms)
             + (() if cfg.agent is None else (AGENT_TERM,))
         )
         functions = [i for i, rf in enumerate(cfg.reward_functions) if rf.model is None]
@@ -123,17 +132,22 @@ class Task:
             [*builtin, *cfg.tools],
             [f"data.task ({cfg.task}'s tool {t!r})" for t in builtin]
             + [f"data.tools[{i}]" for i in range(len(cfg.tools))],
-            cfg.environment,
+            None if vf_id is not None else cfg.environment,
             cfg.tool_timeout_s,
             cfg.reward_import_timeout_s,
             cfg.tool_processes,
         )
         """Runs the tools (the task's own, then data.tools) and the environment."""
+        agent = functools.partial(episode, vf_id, args) if vf_id is not None else cfg.agent
         self.agent_runner = (
             None
-            if cfg.agent is None
+            if agent is None
             else AgentRunner(
-                cfg.agent, cfg.agent_timeout_s, cfg.reward_import_timeout_s, cfg.tool_processes
+                agent,
+                cfg.agent_timeout_s,
+                cfg.reward_import_timeout_s,
+                cfg.tool_processes,
+                key="data.agent" if vf_id is None else "data.environment",
             )
         )
         """Runs data.agent's rollouts (jgrpo.rollout.agent_rollout), None without one."""
@@ -415,7 +429,7 @@ class Task:
     ) -> tuple[np.ndarray, dict]:
         """Rewards float32[N] = task_reward_weight * correct + sum_i weight_i * fn_i(...) over
         the functions that returned a value for the row (see `jgrpo.tasks.rewards`), + the
-        environment's reward (weight 1; NaN = none, like a None).
+        environment's reward (weight 1; NaN = none, like a None; [N, K]: K terms).
 
         Multi-turn: `completions` are the last assistant turns (the verifier reads them),
         `conversations` the messages after each prompt, which reward functions and reward
@@ -473,7 +487,10 @@ class Task:
                 except Exception:  # noqa: BLE001 - a malformed example must not stop the run
                     num_errors += 1
             rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
-        num_terms = len(self.cfg.reward_functions) + (environment_rewards is not None)
+        env = None  # [K, N]: the environment's (or a verifiers environment's K) terms
+        if environment_rewards is not None:
+            env = np.asarray(environment_rewards, np.float64).reshape(n, -1).T
+        num_terms = len(self.cfg.reward_functions) + (0 if env is None else len(env))
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
         fn_values, fn_status, problems = self._runner.run(
@@ -485,10 +502,10 @@ class Task:
         for f, scores in pending.items():
             values[f] = scores.result()
         model_s += time.perf_counter() - start
-        if environment_rewards is not None:
-            given = ~np.isnan(np.asarray(environment_rewards, np.float64))
-            values[-1] = np.where(given, environment_rewards, 0.0)
-            status[-1] = np.where(given, OK, NONE)
+        if env is not None:
+            given = ~np.isnan(env)
+            values[num_terms - len(env) :] = np.where(given, env, 0.0)
+            status[num_terms - len(env) :] = np.where(given, OK, NONE)
         ok = status == OK
         weights = [rf.weight for rf in self.cfg.reward_functions]
         weights += [1.0] * (num_terms - len(weights))  # the environment's term
