@@ -93,6 +93,16 @@ def _scores(q_bqkgh, k_bkkh, mask_bqk, scale):
     return jnp.where(mask_bqk[:, None, :, None, :], s * scale, MASK_VALUE)
 
 
+def causal_pairs(blocks: int, by_key: bool = False) -> np.ndarray:
+    """[2, P] (query block i, key block j) of the P = blocks (blocks + 1) / 2 pairs at or below
+    the diagonal (j <= i), by query block (the forward) or by key block (the backward). One
+    flat loop over them has a static trip count, so XLA and inspect-step know every trip."""
+    pairs = [(i, j) for i in range(blocks) for j in range(i + 1)]
+    if by_key:
+        pairs.sort(key=lambda ij: (ij[1], ij[0]))
+    return np.array(pairs, np.int32).reshape(-1, 2).T
+
+
 def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
     """-> (out [b, t, n, h] in q's dtype, lse [b, k, t, g] float32)."""
     b, t, n, h = q_btnh.shape
@@ -101,37 +111,35 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
     scale = np.float32(1 / math.sqrt(h))
     q_btkgh = _grouped(q_btnh, kv)
 
-    def query_block(i):
-        q_i = _block(q_btkgh, i, block)
-
-        def key_block(j, carry):
-            m, l, acc = carry  # [b, k, q, g], [b, k, q, g], [b, k, q, g, h]
-            mask = _visible(i, j, block, valid_bs, segments_bs)
-            s = _scores(q_i, _block(k_bskh, j, block), mask, scale)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum(
-                "bkqgs,bskh->bkqgh",
-                p.astype(v_bskh.dtype),
-                _block(v_bskh, j, block),
-                preferred_element_type=jnp.float32,
-            )
-            return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
-
-        init = (
-            jnp.full((b, kv, block, g), -jnp.inf, jnp.float32),
-            jnp.zeros((b, kv, block, g), jnp.float32),
-            jnp.zeros((b, kv, block, g, h), jnp.float32),
+    def pair(carry, ij):
+        i, j = ij
+        # carry: the whole row's m [b, k, t, g], l [b, k, t, g] and acc [b, k, t, g, h]
+        m_i, l_i, acc_i = (jax.lax.dynamic_slice_in_dim(x, i * block, block, 2) for x in carry)
+        mask = _visible(i, j, block, valid_bs, segments_bs)
+        s = _scores(_block(q_btkgh, i, block), _block(k_bskh, j, block), mask, scale)
+        m_new = jnp.maximum(m_i, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m_i - m_new)
+        pv = jnp.einsum(
+            "bkqgs,bskh->bkqgh",
+            p.astype(v_bskh.dtype),
+            _block(v_bskh, j, block),
+            preferred_element_type=jnp.float32,
         )
-        m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)  # key blocks up to the diagonal
-        out = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, block, n, h)
-        return out.astype(q_btnh.dtype), m + jnp.log(l)
+        new = (m_new, l_i * corr + p.sum(-1), acc_i * corr[..., None] + pv)
+        return tuple(
+            jax.lax.dynamic_update_slice_in_dim(x, x_i, i * block, 2) for x, x_i in zip(carry, new)
+        ), None
 
-    outs, lses = jax.lax.map(query_block, jnp.arange(t // block))
-    out_btnh = outs.transpose(1, 0, 2, 3, 4).reshape(b, t, n, h)
-    lse_bktg = lses.transpose(1, 2, 0, 3, 4).reshape(b, kv, t, g)
-    return out_btnh, lse_bktg
+    init = (
+        jnp.full((b, kv, t, g), -jnp.inf, jnp.float32),
+        jnp.zeros((b, kv, t, g), jnp.float32),
+        jnp.zeros((b, kv, t, g, h), jnp.float32),
+    )
+    # every query block's key blocks up to the diagonal, in order
+    (m, l, acc), _ = jax.lax.scan(pair, init, jnp.asarray(causal_pairs(t // block)).T)
+    out_btnh = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
+    return out_btnh.astype(q_btnh.dtype), m + jnp.log(l)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -157,57 +165,51 @@ def _attention_bwd(block, residuals, dout_btnh):
         do_btkgh.astype(jnp.float32),
         _grouped(out_btnh, kv).astype(jnp.float32),
     )
-    nb = t // block
 
-    def key_block(dq_btkgh, j):
+    def pair(carry, ij):
+        i, j = ij
+        dq, dk, dv = carry  # the whole row's float32 gradients
         k_j, v_j = _block(k_bskh, j, block), _block(v_bskh, j, block)
+        q_i, do_i = _block(q_btkgh, i, block), _block(do_btkgh, i, block)
+        lse_i = jax.lax.dynamic_slice_in_dim(lse_bktg, i * block, block, axis=2)
+        delta_i = jax.lax.dynamic_slice_in_dim(delta_bktg, i * block, block, axis=2)
+        mask = _visible(i, j, block, valid_bs, segments_bs)
+        p = jnp.exp(_scores(q_i, k_j, mask, scale) - lse_i[..., None])  # [b, k, q, g, s]
+        dv_j = jnp.einsum(
+            "bkqgs,bqkgh->bskh",
+            p.astype(v_bskh.dtype),
+            do_i,
+            preferred_element_type=jnp.float32,
+        )
+        dp = jnp.einsum("bqkgh,bskh->bkqgs", do_i, v_j, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta_i[..., None]) * scale
+        dq_i = jnp.einsum(
+            "bkqgs,bskh->bqkgh",
+            ds.astype(k_bskh.dtype),
+            k_j,
+            preferred_element_type=jnp.float32,
+        )
+        dk_j = jnp.einsum(
+            "bkqgs,bqkgh->bskh",
+            ds.astype(q_btnh.dtype),
+            q_i,
+            preferred_element_type=jnp.float32,
+        )
 
-        def query_block(i, carry):
-            dq, dk, dv = carry
-            q_i, do_i = _block(q_btkgh, i, block), _block(do_btkgh, i, block)
-            lse_i = jax.lax.dynamic_slice_in_dim(lse_bktg, i * block, block, axis=2)
-            delta_i = jax.lax.dynamic_slice_in_dim(delta_bktg, i * block, block, axis=2)
-            mask = _visible(i, j, block, valid_bs, segments_bs)
-            p = jnp.exp(_scores(q_i, k_j, mask, scale) - lse_i[..., None])  # [b, k, q, g, s]
-            dv = dv + jnp.einsum(
-                "bkqgs,bqkgh->bskh",
-                p.astype(v_bskh.dtype),
-                do_i,
-                preferred_element_type=jnp.float32,
-            )
-            dp = jnp.einsum("bqkgh,bskh->bkqgs", do_i, v_j, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta_i[..., None]) * scale
-            dq_i = jnp.einsum(
-                "bkqgs,bskh->bqkgh",
-                ds.astype(k_bskh.dtype),
-                k_j,
-                preferred_element_type=jnp.float32,
-            )
-            dq = jax.lax.dynamic_update_slice_in_dim(
-                dq, _block(dq, i, block) + dq_i, i * block, axis=1
-            )
-            dk = dk + jnp.einsum(
-                "bkqgs,bqkgh->bskh",
-                ds.astype(q_btnh.dtype),
-                q_i,
-                preferred_element_type=jnp.float32,
-            )
-            return dq, dk, dv
+        def add(x, x_i, at):
+            return jax.lax.dynamic_update_slice_in_dim(x, _block(x, at, block) + x_i, at * block, 1)
 
-        zeros = jnp.zeros((b, block, kv, h), jnp.float32)
-        # query blocks from the diagonal down: the ones above never see key block j
-        dq_btkgh, dk, dv = jax.lax.fori_loop(j, nb, query_block, (dq_btkgh, zeros, zeros))
-        return dq_btkgh, (dk, dv)
+        return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
 
-    dq_btkgh, (dks, dvs) = jax.lax.scan(
-        key_block, jnp.zeros(q_btkgh.shape, jnp.float32), jnp.arange(nb)
-    )
-    dk_bskh = dks.transpose(1, 0, 2, 3, 4).reshape(k_bskh.shape).astype(k_bskh.dtype)
-    dv_bskh = dvs.transpose(1, 0, 2, 3, 4).reshape(v_bskh.shape).astype(v_bskh.dtype)
+    zeros = jnp.zeros(k_bskh.shape, jnp.float32)
+    # by key block, query blocks from the diagonal down (the ones above never see key block j)
+    pairs = jnp.asarray(causal_pairs(t // block, by_key=True)).T
+    init = (jnp.zeros(q_btkgh.shape, jnp.float32), zeros, zeros)
+    (dq_btkgh, dk_bskh, dv_bskh), _ = jax.lax.scan(pair, init, pairs)
     return (
         dq_btkgh.reshape(q_btnh.shape).astype(q_btnh.dtype),
-        dk_bskh,
-        dv_bskh,
+        dk_bskh.astype(k_bskh.dtype),
+        dv_bskh.astype(v_bskh.dtype),
         None,
         None,
     )
