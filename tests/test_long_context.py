@@ -88,6 +88,45 @@ def test_blockwise_bfloat16_stays_close_to_float32():
     )
 
 
+def test_packed_rows_on_the_gpu_kernel_path_see_only_their_own_segment(monkeypatch):
+    """cuDNN's flash kernel takes no segment ids: a packed row of at most
+    attention_block_size tokens reaches it with the dense segment mask (jax makes it a bias);
+    a longer one runs blockwise (tested above). Here the portable call runs XLA's kernel: it
+    equals float64 NumPy on packed, padded rows, new keys and values in one segment leave
+    every other token's output bit-equal, and with CUDA faked the call names cuDNN, causal,
+    with that mask, and its result (XLA's, bfloat16) still equals the reference."""
+    q, k, v, valid, segments = _inputs(3, t=36, packed=True)
+    mask = RowMask(jnp.asarray(valid), jnp.asarray(segments)).dense()
+    real = valid[:, :, None, None]
+
+    def portable(q, k, v):
+        return kernels.attention(q, k, v, mask, "portable", causal=True)
+
+    out = jax.jit(portable)(q, k, v)
+    ref = _numpy_attention(q, k, v, valid, segments)
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=2e-6)
+    first = (segments == 1)[:, :, None, None]
+    moved = jax.jit(portable)(q, np.where(first, k + 5, k), np.where(first, -v, v))
+    others = real & ~first
+    np.testing.assert_array_equal(np.where(others, moved, 0), np.where(others, out, 0))
+    assert np.abs(np.where(real & first, moved - out, 0)).max() > 0.1
+    monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
+    calls, dpa = [], jax.nn.dot_product_attention
+    monkeypatch.setattr(
+        jax.nn,
+        "dot_product_attention",
+        lambda *a, **kw: calls.append(kw) or dpa(*a, **{**kw, "implementation": "xla"}),
+    )
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = jax.jit(portable)(*bf)
+    assert calls[-1]["implementation"] == "cudnn" and calls[-1]["is_causal"]
+    assert calls[-1]["mask"].shape == (2, 1, 36, 36)  # the dense mask (its values: below)
+    ref = _numpy_attention(*(np.asarray(x, np.float32) for x in bf), valid, segments)
+    np.testing.assert_allclose(
+        np.where(real, np.asarray(got, np.float32), 0), np.where(real, ref, 0), atol=3e-2
+    )
+
+
 @pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-qwen3-moe"])
 def tiny_folder(request):
     from jgrpo.models.sources import resolve_model_path
