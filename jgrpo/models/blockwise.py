@@ -2,10 +2,11 @@
 attention's math (`jgrpo.models.kernels`); docs/long-context.md explains it.
 
 Queries and keys are cut into blocks; per query a running max m, sum l and weighted value sum
-are updated key block by key block (online softmax; blocks above the diagonal skipped), the
-output is acc / l. The backward (`jax.custom_vjp`) keeps the output and lse = m + log l and
-recomputes each block's p = e^(s - lse): dv += p^T do, ds = p (do v^T - rowsum(do * o)),
-dq += ds k / sqrt(h), dk += ds^T q / sqrt(h). Temporaries: one block pair per head. The mask is
+are updated key block by key block (online softmax) in one loop over the block pairs at or
+below the diagonal (`causal_pairs`: a static trip count), the output is acc / l. The backward
+(`jax.custom_vjp`) keeps the output and lse = m + log l and recomputes each pair's
+p = e^(s - lse): dv += p^T do, ds = p (do v^T - rowsum(do * o)), dq += ds k / sqrt(h),
+dk += ds^T q / sqrt(h). Temporaries: one block pair per head beyond the row's sums. The mask is
 described (`RowMask`: causal, real keys, same segment), never materialised; masked scores are
 MASK_VALUE as in the materialised path, so a padding query (no visible key) stays finite, with
 a value of its own that no real token reads. Scores, sums and gradients accumulate in float32;
@@ -93,14 +94,22 @@ def _scores(q_bqkgh, k_bkkh, mask_bqk, scale):
     return jnp.where(mask_bqk[:, None, :, None, :], s * scale, MASK_VALUE)
 
 
-def causal_pairs(blocks: int, by_key: bool = False) -> np.ndarray:
-    """[2, P] (query block i, key block j) of the P = blocks (blocks + 1) / 2 pairs at or below
-    the diagonal (j <= i), by query block (the forward) or by key block (the backward). One
-    flat loop over them has a static trip count, so XLA and inspect-step know every trip."""
-    pairs = [(i, j) for i in range(blocks) for j in range(i + 1)]
-    if by_key:
-        pairs.sort(key=lambda ij: (ij[1], ij[0]))
-    return np.array(pairs, np.int32).reshape(-1, 2).T
+def causal_pairs(qblocks, count: int):
+    """(i, j), each [count]: every pair of local query block i and key block j <= qblocks[i]
+    (the row block query block i is), by query block, key blocks in order. `count` (static:
+    the sum of qblocks + 1; blocks (blocks + 1) / 2 for a whole row) is the trip count of the
+    one loop over them, which XLA and inspect-step then know. Every sum accumulates in the
+    order of nested loops: dq of block i over j, dk and dv of block j over i, ascending."""
+    xp = np if isinstance(qblocks, np.ndarray) else jnp  # numpy: the lists are constants
+    ends = xp.cumsum(qblocks + 1)
+    flat = xp.arange(count)
+    i = xp.searchsorted(ends, flat, side="right")
+    return i, flat - ends[i] + qblocks[i] + 1
+
+
+def _whole_row(blocks: int):
+    """`causal_pairs` of a whole row of `blocks` blocks."""
+    return causal_pairs(np.arange(blocks), blocks * (blocks + 1) // 2)
 
 
 def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
@@ -137,7 +146,7 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
         jnp.zeros((b, kv, t, g, h), jnp.float32),
     )
     # every query block's key blocks up to the diagonal, in order
-    (m, l, acc), _ = jax.lax.scan(pair, init, jnp.asarray(causal_pairs(t // block)).T)
+    (m, l, acc), _ = jax.lax.scan(pair, init, _whole_row(t // block))
     out_btnh = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
     return out_btnh.astype(q_btnh.dtype), m + jnp.log(l)
 
@@ -202,10 +211,9 @@ def _attention_bwd(block, residuals, dout_btnh):
         return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
 
     zeros = jnp.zeros(k_bskh.shape, jnp.float32)
-    # by key block, query blocks from the diagonal down (the ones above never see key block j)
-    pairs = jnp.asarray(causal_pairs(t // block, by_key=True)).T
+    # the forward's pairs: key block j meets query blocks i from the diagonal down, in order
     init = (jnp.zeros(q_btkgh.shape, jnp.float32), zeros, zeros)
-    (dq_btkgh, dk_bskh, dv_bskh), _ = jax.lax.scan(pair, init, pairs)
+    (dq_btkgh, dk_bskh, dv_bskh), _ = jax.lax.scan(pair, init, _whole_row(t // block))
     return (
         dq_btkgh.reshape(q_btnh.shape).astype(q_btnh.dtype),
         dk_bskh.astype(k_bskh.dtype),
