@@ -210,7 +210,7 @@ def test_inspect_step_temporaries_grow_linearly_blockwise_and_quadratically_mate
 def test_a_tiny_models_step_at_8k_token_rows_runs_on_cpu():
     """The whole train step (reference and prev forwards, the policy's gradient, Adam) of the
     tiny step model on 2 rows of 8,192 tokens (16-token prompts; blockwise attention in blocks
-    of 512, remat full, logprob chunks of 512): its temporaries stay under 512 MiB (one
+    of 512, remat full, logprob chunks of 512): its temporaries stay under 128 MiB (one
     layer's materialised float32 scores alone would be 2 GiB), and it runs to a finite loss
     that moves every layer's weights."""
     import dataclasses
@@ -244,7 +244,7 @@ def test_a_tiny_models_step_at_8k_token_rows_runs_on_cpu():
     batch = TrainBatch(**rows).shard(built.mesh)
     ref = jax.tree.map(lambda x: x * 0.9, built.state.params)
     compiled = built.step_fn.lower(built.state, batch, built.hparams, ref).compile()
-    assert compiled.memory_analysis().temp_size_in_bytes < 512 * 2**20
+    assert compiled.memory_analysis().temp_size_in_bytes < 128 * 2**20
     before = jax.tree.map(np.asarray, built.state.params["layers"])  # the step donates it
     new_state, metrics = compiled(built.state, batch, built.hparams, ref)
     assert np.isfinite(float(metrics["loss/total"]))

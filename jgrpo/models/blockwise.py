@@ -112,6 +112,20 @@ def _whole_row(blocks: int):
     return causal_pairs(np.arange(blocks), blocks * (blocks + 1) // 2)
 
 
+def _over_pairs(pair, init, pairs):
+    """carry = pair(carry, (i, j)) for the `causal_pairs` in order, in a while loop that XLA
+    sees counted (len(i) trips). Not a scan: under remat JAX's partial evaluation would stack
+    what each trip computes from its inputs alone (the masks) as a [pairs, ...] residual."""
+    i_all, j_all = (jnp.asarray(x, jnp.int32) for x in pairs)
+
+    def body(state):
+        p, carry = state
+        return p + 1, pair(carry, (i_all[p], j_all[p]))
+
+    count = i_all.shape[0]
+    return jax.lax.while_loop(lambda state: state[0] < count, body, (0, init))[1]
+
+
 def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
     """-> (out [b, t, n, h] in q's dtype, lse [b, k, t, g] float32)."""
     b, t, n, h = q_btnh.shape
@@ -138,7 +152,7 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
         new = (m_new, l_i * corr + p.sum(-1), acc_i * corr[..., None] + pv)
         return tuple(
             jax.lax.dynamic_update_slice_in_dim(x, x_i, i * block, 2) for x, x_i in zip(carry, new)
-        ), None
+        )
 
     init = (
         jnp.full((b, kv, t, g), -jnp.inf, jnp.float32),
@@ -146,7 +160,7 @@ def _forward(q_btnh, k_bskh, v_bskh, valid_bs, segments_bs, block):
         jnp.zeros((b, kv, t, g, h), jnp.float32),
     )
     # every query block's key blocks up to the diagonal, in order
-    (m, l, acc), _ = jax.lax.scan(pair, init, _whole_row(t // block))
+    m, l, acc = _over_pairs(pair, init, _whole_row(t // block))
     out_btnh = (acc / l[..., None]).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
     return out_btnh.astype(q_btnh.dtype), m + jnp.log(l)
 
@@ -208,12 +222,12 @@ def _attention_bwd(block, residuals, dout_btnh):
         def add(x, x_i, at):
             return jax.lax.dynamic_update_slice_in_dim(x, _block(x, at, block) + x_i, at * block, 1)
 
-        return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
+        return add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)
 
     zeros = jnp.zeros(k_bskh.shape, jnp.float32)
     # the forward's pairs: key block j meets query blocks i from the diagonal down, in order
     init = (jnp.zeros(q_btkgh.shape, jnp.float32), zeros, zeros)
-    (dq_btkgh, dk_bskh, dv_bskh), _ = jax.lax.scan(pair, init, _whole_row(t // block))
+    dq_btkgh, dk_bskh, dv_bskh = _over_pairs(pair, init, _whole_row(t // block))
     return (
         dq_btkgh.reshape(q_btnh.shape).astype(q_btnh.dtype),
         dk_bskh.astype(k_bskh.dtype),
