@@ -2,8 +2,8 @@
 against float64 NumPy (logprobs from the models' full logits, not the step's chunked head),
 with the real gradient it drives; packed = unpacked (a LoRA student on a 2 x 2 x 2 mesh); the
 teacher forward's absence from the compiled program when distillation is off; the tokenizer
-check (exit 2 from the CLI); a teacher equal to the policy; heavy: a run on Ray workers equals
-the local run.
+check (exit 2 from the CLI); a teacher equal to the policy; pure distillation on the prompts task
+(no verifier, no reward function); heavy: a run on Ray workers equals the local run.
 
 The batches (test_packing.host_batch) hold multi-turn holes in the token mask, a row out of the
 loss and a padding row: the term must grade the loss tokens m alone."""
