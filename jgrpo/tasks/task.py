@@ -62,14 +62,28 @@ _VAL_SEED = 20_240_601
 _MAX_REJECTS = 10_000
 
 
-def check_rewards_given(cfg: DataConfig) -> None:
-    """A task without a verifier needs a reward function (the Python API adds its reward_funcs
-    to data.reward_functions first, so this is not a `validate` rule)."""
+def has_reward(cfg: DataConfig) -> bool:
+    """Some reward term scores rows: a built-in verifier weighted != 0, data.reward_functions,
+    a data.environment or a data.agent (without any, only a distillation teacher trains)."""
     verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
-    if not verifier and not cfg.reward_functions and cfg.environment is None and not cfg.agent:
+    return bool(
+        (verifier and cfg.task_reward_weight != 0)
+        or cfg.reward_functions
+        or cfg.environment is not None
+        or cfg.agent
+    )
+
+
+def check_rewards_given(cfg: DataConfig, distilled: bool = False) -> None:
+    """A task without a verifier needs a reward function, unless `distilled` (a
+    distillation.teacher grades every token: pure distillation). The Python API adds its
+    reward_funcs to data.reward_functions first, so this is not a `validate` rule."""
+    verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
+    if not verifier and not has_reward(cfg) and not distilled:
         raise ConfigError(
             f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
-            "one reward function (or a data.environment or data.agent that gives rewards)"
+            "one reward function (or a data.environment or data.agent that gives rewards, or a "
+            "distillation.teacher for pure distillation)"
         )
 
 
@@ -91,14 +105,17 @@ class Task:
         *,
         train_dataset: Optional[Table] = None,
         eval_dataset: Optional[Table] = None,
+        distilled: bool = False,
     ):
         if cfg.task not in _KINDS:
             raise ConfigError(
                 f"data.task: {cfg.task!r} is not allowed; choose one of "
                 f"{', '.join(map(repr, _KINDS))}"
             )
-        check_rewards_given(cfg)
+        check_rewards_given(cfg, distilled)
         self.cfg = cfg
+        self.distilled = bool(distilled)
+        """A distillation.teacher grades the rollouts (no reward term needed)."""
         self.seed = int(seed)
         self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
@@ -163,7 +180,7 @@ class Task:
         self.val_tasks: dict[str, Task] = {}
         """The data.val_sets entries by name, each a val-only Task (its prompts and scoring)."""
         for vs in cfg.val_sets:
-            vt = Task(vs.data_config(cfg), seed, load_data, val_set=vs.name)
+            vt = Task(vs.data_config(cfg), seed, load_data, vs.name, distilled=distilled)
             if vt.cfg.reward_functions == cfg.reward_functions:
                 vt._runner = self._runner  # the same terms: one reward process, not two
             self.val_tasks[vs.name] = vt
@@ -177,7 +194,10 @@ class Task:
                 self.agent_runner.start()
 
     def __reduce__(self):
-        return (Task, (self.cfg, self.seed, False, self.val_set))
+        return (
+            functools.partial(Task, distilled=self.distilled),
+            (self.cfg, self.seed, False, self.val_set),
+        )
 
     # ------------------------------------------------------------------------- data
 
@@ -563,14 +583,21 @@ def make_task(
     load_data: bool = True,
     train_dataset: Optional[Table] = None,
     eval_dataset: Optional[Table] = None,
+    distilled: bool = False,
 ) -> Task:
     """Validate `data_cfg` (files, fields, the reward start-up check) and build the Task.
 
     Raises ConfigError (one line naming the dotted key or file) before any model loads.
     `load_data=False` skips reading data and the reward check (rollout workers that only
     format and score). `train_dataset` / `eval_dataset` (a list of dicts or a
-    `datasets.Dataset`) replace data.train_path / data.val_path.
+    `datasets.Dataset`) replace data.train_path / data.val_path. `distilled`: the run has a
+    distillation.teacher, so a task without a verifier needs no reward function.
     """
     return Task(
-        data_cfg, seed, load_data=load_data, train_dataset=train_dataset, eval_dataset=eval_dataset
+        data_cfg,
+        seed,
+        load_data=load_data,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        distilled=distilled,
     )
