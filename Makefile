@@ -24,10 +24,11 @@ demo: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
 	$(BIN)/jgrpo train --config configs/demo.yaml --run-dir runs/demo --fresh
 
-# make distill: a weak warm start (150 SFT steps) distilled on-policy from the demo's warm start
-# (400 SFT steps), no reward (docs/distillation.md); both warm starts are cached
+# make distill: a weak warm start (150 SFT steps) distilled on-policy from `make demo`'s GRPO-trained
+# policy, no reward (docs/distillation.md); the teacher is runs/demo/final (`make demo` runs first
+# only when it is missing), the student's warm start is cached
 distill: $(STAMP)
-	$(BIN)/python tools/warm_start.py --config configs/demo.yaml
+	test -f runs/demo/final/config.json || $(MAKE) demo
 	$(BIN)/python tools/warm_start.py --config configs/distill.yaml --steps 150
 	$(BIN)/jgrpo train --config configs/distill.yaml --run-dir runs/distill --fresh
 

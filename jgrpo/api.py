@@ -182,7 +182,7 @@ def build_config(
     cfg = validate(from_dict(Config, data))
     from jgrpo.tasks.task import check_rewards_given
 
-    check_rewards_given(cfg.data)
+    check_rewards_given(cfg.data, cfg.distillation.teacher is not None)
     return cfg
 
 

@@ -318,7 +318,7 @@ def _check_model_and_data(cfg, data: bool = True, sft: bool = False) -> None:
     if data:
         from jgrpo.tasks import make_task
 
-        make_task(cfg.data, cfg.grpo.seed)
+        make_task(cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None)
     if sft:
         from jgrpo.tasks.data import load_table
 

@@ -78,17 +78,13 @@ def reverse_kl(teacher_bt: Array, policy_bt: Array, mask_bt: Array) -> Array:
 
 
 def is_pure(cfg: Config) -> bool:
-    """Pure distillation: a teacher and no reward term (data.task_reward_weight 0, no
-    reward_functions, no environment). No term scores any row, so the None rule of
-    jgrpo.tasks would give every row sample_mask 0; the rollout keeps them all instead: the
-    teacher grades every row."""
-    d = cfg.data
-    return (
-        cfg.distillation.teacher is not None
-        and d.task_reward_weight == 0
-        and not d.reward_functions
-        and d.environment is None
-    )
+    """Pure distillation: a teacher and no reward term (no verifier or
+    data.task_reward_weight 0, no reward_functions, environment or agent). No term scores any
+    row, so the None rule of jgrpo.tasks would give every row sample_mask 0; the rollout keeps
+    them all instead: the teacher grades every row."""
+    from jgrpo.tasks.task import has_reward
+
+    return cfg.distillation.teacher is not None and not has_reward(cfg.data)
 
 
 def loss_rows(cfg: Config, scored_b) -> np.ndarray:

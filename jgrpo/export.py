@@ -183,7 +183,7 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     from jgrpo.tasks import make_task
 
     compile_cache.enable()
-    task = make_task(cfg.data, cfg.grpo.seed)
+    task = make_task(cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None)
     if not task.val and not task.val_tasks:
         task.close()
         raise ConfigError(

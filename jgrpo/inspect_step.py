@@ -140,20 +140,21 @@ def analytic_flops(
     """Matmul flops of one train step from the shapes alone, every trip counted.
 
     Per token and layer: q/k/v/o projections 2d(n + 2k)h + 2nhd, the MLP (`mlp_flops`: SwiGLU
-    6df; an MoE layer runs its top_k experts and router), attention scores +
-    values 4Tnh (the full T x T square of its row: masking saves nothing), LoRA adapters
-    2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the chunk-padded
-    positions after the prompt bucket (the only ones scored). `row_tokens` (the tokens of each
-    row through the layers) and `head_positions` (LM-head positions in all) describe another
-    layout: default B rows of T tokens. A frozen forward (ref, prev) costs one forward; the
-    policy costs its forward and a backward. Full fine-tuning: the backward is 2 forwards (every
-    matmul differentiates both operands). LoRA: the frozen base weights and the (frozen) head
-    take no weight gradient, so their matmuls cost one more forward only (the activation
-    gradient), while attention and the adapters cost two; the reference forward is the base
-    alone (adapters skipped). Remat recomputes the layers again (full) or their attention
-    (dots), and the head when it runs in more than one chunk (each chunk is then a
-    jax.checkpoint; a head of one chunk, `scored_width` <= model.logprob_chunk_size, is not:
-    see `Transformer.token_logprobs`). `scored_width`: the positions per row the head scores, which
+    6df; an MoE layer runs its top_k experts and router), attention (`attention_flops`: the
+    T x T square of a materialised row, the causal block pairs of a blockwise one), LoRA
+    adapters 2r(in + out) per targeted projection (x A, then B); the LM head 2dV over the
+    chunk-padded positions after the prompt bucket (the only ones scored). `row_tokens` (the
+    tokens of each row through the layers) and `head_positions` (LM-head positions in all)
+    describe another layout: default B rows of T tokens. A frozen forward (ref, prev) costs one
+    forward; the policy costs its forward and a backward. Full fine-tuning: the backward is 2
+    forwards (every matmul differentiates both operands). LoRA: the frozen base weights and the
+    (frozen) head take no weight gradient, so their matmuls cost one more forward only (the
+    activation gradient), while attention and the adapters cost two; the reference forward is
+    the base alone (adapters skipped). Recomputed: a blockwise row's scores in the policy's
+    backward (half its attention forward); the layers (remat full) or their attention (dots);
+    the head when it runs in more than one chunk (each chunk is then a jax.checkpoint; a head
+    of one chunk, `scored_width` <= model.logprob_chunk_size, is not: see
+    `Transformer.token_logprobs`). `scored_width`: the positions per row the head scores, which
     fix its chunk count (default rollout.max_new_tokens; packed: the scored slots per packed
     row). `model` leaves the recompute out (the numerator of MFU), `step` includes it (what the
     compiled program executes)."""
@@ -172,7 +173,9 @@ def analytic_flops(
         head_positions = b * chunk_padded(scored_width, m.logprob_chunk_size)
     row_tokens = [t] * b if row_tokens is None else [int(x) for x in row_tokens]
     tokens = sum(row_tokens)
-    attention = sum(x * x for x in row_tokens) * l * 4 * n * h
+    attention, scores_again = (
+        l * sum(x) for x in zip(*(attention_flops(x, m) for x in row_tokens))
+    )
     weights = tokens * (l * (2 * d * (n + 2 * k) * h + 2 * n * h * d) + mlp_flops(m))
     adapters = 0
     if m.lora is not None:
@@ -190,6 +193,7 @@ def analytic_flops(
     layers = weights + attention + adapters
     head_recomputed = chunk_count(scored_width, m.logprob_chunk_size) > 1
     recompute = {"none": 0.0, "full": layers, "dots": attention}[m.remat] + head_recomputed * head
+    recompute += scores_again  # the policy's backward of blockwise rows
     frozen = (not cfg.skip_ref) * ref_forward + (not cfg.skip_prev) * policy_forward
     model = frozen + policy_forward + backward
     return {
@@ -197,6 +201,21 @@ def analytic_flops(
         "model": float(model),
         "step": float(model + recompute),
     }
+
+
+def attention_flops(tokens: int, model_cfg) -> tuple[int, int]:
+    """(forward, recomputed in the backward) matmul flops of one layer's attention over one row
+    of `tokens`. A materialised row (at most model.attention_block_size tokens, or the size 0)
+    computes scores and values over the full T x T square: 4 T^2 n h (masking saves nothing).
+    A blockwise row is padded to nb blocks of B and computes the P = nb (nb + 1) / 2 block
+    pairs at or below the diagonal, 4 P B^2 n h; its backward recomputes each pair's scores
+    (2 P B^2 n h) beside the 8 P B^2 n h of its gradients (`jgrpo.models.blockwise`)."""
+    n, h, block = model_cfg.num_heads, model_cfg.head_dim, model_cfg.attention_block_size
+    if not block or tokens <= block:
+        return 4 * tokens * tokens * n * h, 0
+    blocks = -(-tokens // block)
+    pairs = blocks * (blocks + 1) // 2
+    return 4 * pairs * block * block * n * h, 2 * pairs * block * block * n * h
 
 
 def mlp_flops(model_cfg) -> int:

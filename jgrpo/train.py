@@ -118,7 +118,9 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     check_run(cfg)
     compile_cache.enable()
     # ConfigError before the model loads
-    task = make_task(cfg.data, cfg.grpo.seed, **(datasets or {}))
+    task = make_task(
+        cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None, **(datasets or {})
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_primary():
         write_run_config(run_dir, cfg)

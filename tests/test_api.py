@@ -329,7 +329,7 @@ def test_default_lengths_fit_the_default_model_and_the_length_error_says_what_to
         check_model_path(cfg.model.path, 4096)
 
 
-@pytest.mark.slow  # one GRPO step at the default lengths (288 tokens a row) through the CLI
+@pytest.mark.heavy  # one GRPO step at the default lengths (288 tokens a row) through the CLI
 def test_a_config_of_only_data_task_trains(tmp_path, capsys):
     (tmp_path / "min.yaml").write_text("data:\n  task: arithmetic\n")
     small = [  # fewer rows and steps; the lengths and the model stay the defaults
@@ -594,7 +594,7 @@ def test_peft_config_and_model_errors():
         trainer(args=jgrpo.GRPOConfig(reward_weights=[1.0]), reward_funcs=[(_zero, 2.0)])
 
 
-@pytest.mark.slow  # 2 GRPO steps of the tiny model through the TRL-shaped call
+@pytest.mark.heavy  # 2 GRPO steps of the tiny model through the TRL-shaped call
 def test_trl_shaped_call_trains_the_tiny_model(tmp_path):
     trainer = _trl_trainer(tmp_path)
     result = trainer.train()

@@ -2,8 +2,8 @@
 against float64 NumPy (logprobs from the models' full logits, not the step's chunked head),
 with the real gradient it drives; packed = unpacked (a LoRA student on a 2 x 2 x 2 mesh); the
 teacher forward's absence from the compiled program when distillation is off; the tokenizer
-check (exit 2 from the CLI); a teacher equal to the policy; heavy: a run on Ray workers equals
-the local run.
+check (exit 2 from the CLI); a teacher equal to the policy; pure distillation on the prompts task
+(no verifier, no reward function); heavy: a run on Ray workers equals the local run.
 
 The batches (test_packing.host_batch) hold multi-turn holes in the token mask, a row out of the
 loss and a padding row: the term must grade the loss tokens m alone."""
@@ -236,30 +236,35 @@ def test_a_teacher_with_another_tokenizer_exits_2_before_loading(tmp_path, capsy
 
 @pytest.mark.heavy  # make test: the step tests above (the rollout side is unchanged)
 def test_a_distillation_run_on_ray_workers_logs_the_local_runs_metrics(tmp_path, ray_cluster):
-    """Three steps of configs/tiny.yaml purely distilled (no reward) from builtin:tiny-qwen3-moe
-    (an MoE teacher with the same tokenizer): the Ray backend's run logs the local run's
-    metrics, the teacher's reverse KL included (nonzero: the teacher is another model); every
-    completion token carries loss although no reward term scores a row."""
+    """Three steps of configs/tiny.yaml purely distilled (no verifier, no reward function: the
+    `prompts` task) from builtin:tiny-qwen3-moe (an MoE teacher with the same tokenizer): the
+    Ray backend's run logs the local run's metrics, the teacher's reverse KL included (nonzero:
+    the teacher is another model); every completion token carries loss although no reward term
+    scores a row."""
     from jgrpo import train
     from jgrpo.metrics import read_metrics
 
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}+{j}="}}\n' for i in range(9) for j in range(3)))
     overrides = [
         "logging.tensorboard=false",
         "grpo.max_num_steps=3",
         "distillation.teacher=builtin:tiny-qwen3-moe",
-        "data.task_reward_weight=0.0",
+        "data.task=prompts",
+        f"data.train_path={prompts}",
     ]
     rows = {}
     for backend in ("local", "ray"):
         cfg = load_config(TINY, [*overrides, f"rollout.backend={backend}"])
         train.run(cfg, tmp_path / backend)
         rows[backend] = read_metrics(tmp_path / backend)
-    assert [r["step"] for r in rows["ray"]] == [0, 1, 2, 3]
+    # no held-out set (the records are all for training): no validation row at step 0
+    assert [r["step"] for r in rows["ray"]] == [r["step"] for r in rows["local"]] == [1, 2, 3]
     for got, want in zip(rows["ray"], rows["local"]):
         for key, value in want.items():
             if not (key.startswith("perf/") or key.endswith("_s")):
                 assert got[key] == value, (want["step"], key, got[key], value)
-    for r in rows["local"][1:]:
+    for r in rows["local"]:
         assert abs(r["distill/reverse_kl"]) > 0.1 and r["reward/mean"] == 0.0
         assert r["batch/num_valid_tokens"] == pytest.approx(16 * r["length/mean"])  # every row
 
@@ -275,3 +280,24 @@ def test_pure_distillation_keeps_every_row_in_the_loss():
         cfg = load_config(TINY, overrides)
         assert not distillation.is_pure(cfg)
         np.testing.assert_array_equal(distillation.loss_rows(cfg, scored), [0.0, 1.0, 0.0])
+
+
+def test_pure_distillation_needs_no_reward_on_the_prompts_task(tmp_path):
+    """The `prompts` task has no verifier: without reward functions it needs a teacher (one
+    line naming data.reward_functions otherwise); with one it is pure distillation, in the
+    trainer's Task, its val sets and a Ray worker's (pickled) copy."""
+    import pickle
+
+    from jgrpo.tasks import make_task
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1+2="}\n{"prompt": "3-1="}\n')
+    data = ["data.task=prompts", f"data.train_path={prompts}"]
+    with pytest.raises(ConfigError, match=r"^data.reward_functions: task 'prompts' has no built"):
+        make_task(load_config(TINY, data).data, 0)
+    cfg = load_config(TINY, [*data, "distillation.teacher=smollm2"])
+    assert distillation.is_pure(cfg) and cfg.data.task_reward_weight == 1.0  # no verifier
+    task = make_task(cfg.data, 0, distilled=True)
+    assert task.distilled and task.reward_names == () and pickle.loads(pickle.dumps(task)).distilled
+    assert sorted(e["row"]["prompt"] for e in task.train.next_prompts(2)) == ["1+2=", "3-1="]
+    np.testing.assert_array_equal(distillation.loss_rows(cfg, np.zeros(2, bool)), [1.0, 1.0])

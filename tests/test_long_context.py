@@ -76,6 +76,18 @@ def test_blockwise_forward_and_gradients_equal_the_materialised_attention(packed
         np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-5)
 
 
+def test_causal_pairs_are_the_blocks_at_or_below_the_diagonal():
+    """The one loop's (query block, key block) list: a whole row of 3 blocks by hand, and
+    local query blocks that are row blocks 1 and 4 (a context split's chunks)."""
+    from jgrpo.models.blockwise import causal_pairs
+
+    i, j = causal_pairs(np.arange(3), 6)
+    assert list(zip(i.tolist(), j.tolist())) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    for pairs in (causal_pairs, jax.jit(causal_pairs, static_argnums=1)):  # constants, traced
+        i, j = pairs(np.array([1, 4]), 2 + 5)
+        assert i.tolist() == [0, 0, 1, 1, 1, 1, 1] and j.tolist() == [0, 1, 0, 1, 2, 3, 4]
+
+
 def test_blockwise_bfloat16_stays_close_to_float32():
     q, k, v, valid, _ = _inputs(2)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
@@ -85,6 +97,45 @@ def test_blockwise_bfloat16_stays_close_to_float32():
     real = valid[:, :, None, None]
     np.testing.assert_allclose(
         np.where(real, np.asarray(out, np.float32), 0), np.where(real, ref, 0), atol=3e-2
+    )
+
+
+def test_packed_rows_on_the_gpu_kernel_path_see_only_their_own_segment(monkeypatch):
+    """cuDNN's flash kernel takes no segment ids: a packed row of at most
+    attention_block_size tokens reaches it with the dense segment mask (jax makes it a bias);
+    a longer one runs blockwise (tested above). Here the portable call runs XLA's kernel: it
+    equals float64 NumPy on packed, padded rows, new keys and values in one segment leave
+    every other token's output bit-equal, and with CUDA faked the call names cuDNN, causal,
+    with that mask, and its result (XLA's, bfloat16) still equals the reference."""
+    q, k, v, valid, segments = _inputs(3, t=36, packed=True)
+    mask = RowMask(jnp.asarray(valid), jnp.asarray(segments)).dense()
+    real = valid[:, :, None, None]
+
+    def portable(q, k, v):
+        return kernels.attention(q, k, v, mask, "portable", causal=True)
+
+    out = jax.jit(portable)(q, k, v)
+    ref = _numpy_attention(q, k, v, valid, segments)
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=2e-6)
+    first = (segments == 1)[:, :, None, None]
+    moved = jax.jit(portable)(q, np.where(first, k + 5, k), np.where(first, -v, v))
+    others = real & ~first
+    np.testing.assert_array_equal(np.where(others, moved, 0), np.where(others, out, 0))
+    assert np.abs(np.where(real & first, moved - out, 0)).max() > 0.1
+    monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
+    calls, dpa = [], jax.nn.dot_product_attention
+    monkeypatch.setattr(
+        jax.nn,
+        "dot_product_attention",
+        lambda *a, **kw: calls.append(kw) or dpa(*a, **{**kw, "implementation": "xla"}),
+    )
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    got = jax.jit(portable)(*bf)
+    assert calls[-1]["implementation"] == "cudnn" and calls[-1]["is_causal"]
+    assert calls[-1]["mask"].shape == (2, 1, 36, 36)  # the dense mask (its values: below)
+    ref = _numpy_attention(*(np.asarray(x, np.float32) for x in bf), valid, segments)
+    np.testing.assert_allclose(
+        np.where(real, np.asarray(got, np.float32), 0), np.where(real, ref, 0), atol=3e-2
     )
 
 
@@ -153,3 +204,49 @@ def test_inspect_step_temporaries_grow_linearly_blockwise_and_quadratically_mate
     # measured 2.06 blockwise, 4.20 materialised (2026-12-07)
     assert 1.5 < growth[64] < 2.3 and growth[0] > 3.3, growth
     assert blockwise_1024 < 0.2 * t1024
+
+
+@pytest.mark.heavy
+def test_a_tiny_models_step_at_8k_token_rows_runs_on_cpu():
+    """The whole train step (reference and prev forwards, the policy's gradient, Adam) of the
+    tiny step model on 2 rows of 8,192 tokens (16-token prompts; blockwise attention in blocks
+    of 512, remat full, logprob chunks of 512): its temporaries stay under 128 MiB (one
+    layer's materialised float32 scores alone would be 2 GiB), and it runs to a finite loss
+    that moves every layer's weights."""
+    import dataclasses
+
+    from conftest import TINY_MODEL_FIELDS, make_rollout_batch
+    from flax import nnx
+
+    from jgrpo import sharding, step_setup
+    from jgrpo.batch import TrainBatch
+    from jgrpo.config import load_config
+    from jgrpo.models import Transformer, TransformerConfig
+
+    tokens, block = 8192, 512
+    cfg = load_config(
+        None,
+        [
+            "grpo.num_prompts_per_step=1",
+            "grpo.num_generations_per_prompt=2",
+            "grpo.sequence_packing=false",
+            "rollout.prompt_bucket=16",
+            f"rollout.max_new_tokens={tokens - 16}",
+            "loss.reference_policy_kl_penalty=0.1",
+        ],
+    )
+    cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, data=1))
+    fields = TINY_MODEL_FIELDS | {"max_position_embeddings": tokens, "remat": "full"}
+    model_cfg = TransformerConfig(**fields, attention_block_size=block, logprob_chunk_size=block)
+    model = Transformer(model_cfg, rngs=nnx.Rngs(0), init_scale=0.2)
+    built = step_setup.build_step(cfg, model, mesh=sharding.make_mesh(cfg.mesh, jax.devices()[:1]))
+    rows = make_rollout_batch(0, num_prompts=1, group=2, prompt_len=16, total_len=tokens)
+    batch = TrainBatch(**rows).shard(built.mesh)
+    ref = jax.tree.map(lambda x: x * 0.9, built.state.params)
+    compiled = built.step_fn.lower(built.state, batch, built.hparams, ref).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 128 * 2**20
+    before = jax.tree.map(np.asarray, built.state.params["layers"])  # the step donates it
+    new_state, metrics = compiled(built.state, batch, built.hparams, ref)
+    assert np.isfinite(float(metrics["loss/total"]))
+    for name, w in before.items():
+        assert np.abs(np.asarray(new_state.params["layers"][name]) - w).max() > 0, name

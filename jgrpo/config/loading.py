@@ -83,6 +83,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if len(args) != len(value):
             raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is Any:  # free-form (data.environment_args: the environment's own config)
+        return value
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")

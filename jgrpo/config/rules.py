@@ -483,8 +483,19 @@ def check_turns(cfg: Config) -> None:
     if isinstance(data.environment, str):
         _require(
             ":" in data.environment and all(data.environment.split(":", 1)),
-            f"data.environment: {data.environment!r} must look like module:Class",
+            f"data.environment: {data.environment!r} must look like module:Class "
+            "(or verifiers:<taskset id>)",
         )
+    verifiers = isinstance(data.environment, str) and data.environment.startswith("verifiers:")
+    _require(
+        verifiers or not data.environment_args,
+        "data.environment_args: only for a data.environment `verifiers:<id>`",
+    )
+    _require(
+        not verifiers or data.task == "prompts",
+        f"data.task: a verifiers environment supplies the prompts; set data.task: prompts, "
+        f"not {data.task!r}",
+    )
     if data.agent is not None:
         if isinstance(data.agent, str):
             _require(

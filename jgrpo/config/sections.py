@@ -188,6 +188,8 @@ class DataConfig:
     """A tool call or environment step running past this fails (counted; an error message)."""
     tool_processes: int = 2
     """Child processes running tool calls and environment steps, rows split between them."""
+    environment_args: tuple[tuple[str, Any], ...] = ()
+    """`verifiers:<id>` environments: the taskset's config ({name: value}; `harness`: its own)."""
     agent: Union[str, Callable[..., Any], None] = None
     """`module:function`: an async agent(client, record) that runs each rollout (docs/agents.md)."""
     agent_timeout_s: float = 300.0

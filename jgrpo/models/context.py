@@ -65,8 +65,9 @@ def attention(q_btnh, k_bskh, v_bskh, mask: RowMask, cp, block: int):
         per = q_btnh.shape[1] // 2 // block  # blocks per chunk
         own = jnp.arange(per)
         qblocks = jnp.concatenate([i * per + own, (2 * c - 1 - i) * per + own])
+        count = per * (2 * c * per + 1)  # sum(qblocks + 1), the same on every device
         return blockwise_attention_at(
-            q_btnh, k_all, v_all, valid_all, seg_bs, seg_all, qblocks, block
+            q_btnh, k_all, v_all, valid_all, seg_bs, seg_all, qblocks, block, count
         )
 
     tokens = cp.tokens

@@ -191,6 +191,26 @@ def score_rows(arrays, owner, rollouts, ok, rows, rewards, info, version: int) -
     return batch
 
 
+def reward_columns(results, ok, terms: tuple[str, ...] | None) -> np.ndarray:
+    """The agents' reward terms, NaN where none: float64[B] of each agent's reward, or with
+    `terms` (a verifiers environment's components) float64[B, len(terms)] from its "terms"."""
+    b_total = len(ok)
+    if terms is None:
+        out = np.full(b_total, np.nan)
+        for b in np.flatnonzero(ok):
+            out[b] = np.nan if results[b][1]["reward"] is None else results[b][1]["reward"]
+        return out
+    out = np.full((b_total, len(terms)), np.nan)
+    for b in np.flatnonzero(ok):
+        given = results[b][1]["terms"] or {}
+        unknown = set(given) - set(terms)
+        if unknown:
+            raise ValueError(f"the environment gave reward components {unknown} not in {terms}")
+        for k, name in enumerate(terms):
+            out[b, k] = np.nan if given.get(name) is None else given[name]
+    return out
+
+
 def agent_stats(batch) -> dict[str, float]:
     """The agent metrics of a batch holding AGENT_COUNTS (empty when it does not)."""
     if "agent_calls" not in batch:

@@ -446,13 +446,7 @@ class RolloutEngine:
         rows = [i for i in range(len(examples)) for _ in range(g)]
         row_examples = [examples[i] for i in rows]
         ok = np.asarray([results.get(b, (TIMEOUT,))[0] == OK for b in range(len(rows))], bool)
-        agent_rewards = np.asarray(
-            [
-                results[b][1]["reward"] if ok[b] and results[b][1]["reward"] is not None else np.nan
-                for b in range(len(rows))
-            ],
-            np.float64,
-        )
+        agent_rewards = agent_rollout.reward_columns(results, ok, task.agent_terms)
         prompts = [
             self.tokenizer.decode(r.sequences[0].prompt) if r.sequences else "" for r in rollouts
         ]
@@ -581,16 +575,16 @@ def model_graphdef(model_cfg):
 
 
 def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
-    """(engine, graphdef) from the config alone: what a rollout worker process needs.
-
-    The task is built without its data (workers score, the trainer owns the data order); the
-    run's reward models are loaded on this process's devices (a worker scores its own rows)."""
+    """(engine, graphdef) from the config alone: what a rollout worker process needs. The task
+    is built without its data (the trainer owns it); reward models load on this process."""
     from jgrpo.models import policy_config
     from jgrpo.models.reward_model import load_reward_models
     from jgrpo.tasks import make_task
 
     model_cfg = policy_config(cfg.model, model_folder)
-    task = make_task(cfg.data, cfg.grpo.seed, load_data=False)
+    task = make_task(
+        cfg.data, cfg.grpo.seed, load_data=False, distilled=cfg.distillation.teacher is not None
+    )
     task.attach_reward_models(load_reward_models(cfg))
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)

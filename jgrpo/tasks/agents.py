@@ -70,12 +70,16 @@ def _agent_traceback(e: BaseException) -> str:
 
 
 def _result(value: Any) -> dict:
-    """A checked agent return -> {"reward": float | None, "completion": str | None}."""
+    """A checked agent return -> {"reward": float | None, "completion": str | None, "terms":
+    {name: float | None} | None}."""
+    terms = None
     if isinstance(value, dict):
-        unknown = set(value) - {"reward", "completion"}
+        unknown = set(value) - {"reward", "completion", "terms"}
         if unknown:
             raise ValueError(f"the agent's dict may hold reward and completion, not {unknown}")
         reward, completion = value.get("reward"), value.get("completion")
+        if value.get("terms") is not None:  # reward components (jgrpo.tasks.verifiers_env)
+            terms = {str(k): _result(v)["reward"] for k, v in value["terms"].items()}
     else:
         reward, completion = value, None
     if reward is not None:
@@ -86,7 +90,7 @@ def _result(value: Any) -> dict:
         reward = float(reward)
     if completion is not None and not isinstance(completion, str):
         raise ValueError(f"the agent's completion is a {type(completion).__name__}, not text")
-    return {"reward": reward, "completion": completion}
+    return {"reward": reward, "completion": completion, "terms": terms}
 
 
 async def _run_job(agent, jobs, api_key: str, timeout_s: float, conn, out, sent: set):

@@ -43,6 +43,7 @@ from jgrpo.tasks.gsm8k import GSM8KTask
 from jgrpo.tasks.prompts import PromptsTask
 from jgrpo.tasks.rewards import ERROR, NONE, OK, TIMEOUT, RewardRunner
 from jgrpo.tasks.tools import ToolRunner
+from jgrpo.tasks.verifiers_env import describe, env_id, episode
 
 _KINDS = {
     "arithmetic": ArithmeticTask,
@@ -61,14 +62,28 @@ _VAL_SEED = 20_240_601
 _MAX_REJECTS = 10_000
 
 
-def check_rewards_given(cfg: DataConfig) -> None:
-    """A task without a verifier needs a reward function (the Python API adds its reward_funcs
-    to data.reward_functions first, so this is not a `validate` rule)."""
+def has_reward(cfg: DataConfig) -> bool:
+    """Some reward term scores rows: a built-in verifier weighted != 0, data.reward_functions,
+    a data.environment or a data.agent (without any, only a distillation teacher trains)."""
     verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
-    if not verifier and not cfg.reward_functions and cfg.environment is None and not cfg.agent:
+    return bool(
+        (verifier and cfg.task_reward_weight != 0)
+        or cfg.reward_functions
+        or cfg.environment is not None
+        or cfg.agent
+    )
+
+
+def check_rewards_given(cfg: DataConfig, distilled: bool = False) -> None:
+    """A task without a verifier needs a reward function, unless `distilled` (a
+    distillation.teacher grades every token: pure distillation). The Python API adds its
+    reward_funcs to data.reward_functions first, so this is not a `validate` rule."""
+    verifier = getattr(_KINDS.get(cfg.task), "has_verifier", True)
+    if not verifier and not has_reward(cfg) and not distilled:
         raise ConfigError(
             f"data.reward_functions: task {cfg.task!r} has no built-in verifier; give at least "
-            "one reward function (or a data.environment or data.agent that gives rewards)"
+            "one reward function (or a data.environment or data.agent that gives rewards, or a "
+            "distillation.teacher for pure distillation)"
         )
 
 
@@ -90,21 +105,32 @@ class Task:
         *,
         train_dataset: Optional[Table] = None,
         eval_dataset: Optional[Table] = None,
+        distilled: bool = False,
     ):
         if cfg.task not in _KINDS:
             raise ConfigError(
                 f"data.task: {cfg.task!r} is not allowed; choose one of "
                 f"{', '.join(map(repr, _KINDS))}"
             )
-        check_rewards_given(cfg)
+        check_rewards_given(cfg, distilled)
         self.cfg = cfg
+        self.distilled = bool(distilled)
+        """A distillation.teacher grades the rollouts (no reward term needed)."""
         self.seed = int(seed)
         self.val_set = val_set
         self.kind = _KINDS[cfg.task](cfg)
         self.has_verifier = getattr(self.kind, "has_verifier", True)
+        vf_id, args = env_id(cfg.environment), dict(cfg.environment_args)
+        self.agent_terms: Optional[tuple[str, ...]] = None
+        """A verifiers environment's reward components (jgrpo.tasks.verifiers_env), else None."""
+        if vf_id is not None:
+            records, self.agent_terms = describe(vf_id, args)
+            if train_dataset is None and cfg.train_path is None:
+                train_dataset = [{cfg.prompt_key: r["prompt"], **r} for r in records]
+        env_terms = (ENVIRONMENT_TERM,) if cfg.environment is not None else ()
         self.reward_names = (
             tuple(rf.label for rf in cfg.reward_functions)
-            + (() if cfg.environment is None else (ENVIRONMENT_TERM,))
+            + (self.agent_terms if vf_id is not None else env_terms)
             + (() if cfg.agent is None else (AGENT_TERM,))
         )
         functions = [i for i, rf in enumerate(cfg.reward_functions) if rf.model is None]
@@ -123,17 +149,22 @@ class Task:
             [*builtin, *cfg.tools],
             [f"data.task ({cfg.task}'s tool {t!r})" for t in builtin]
             + [f"data.tools[{i}]" for i in range(len(cfg.tools))],
-            cfg.environment,
+            None if vf_id is not None else cfg.environment,
             cfg.tool_timeout_s,
             cfg.reward_import_timeout_s,
             cfg.tool_processes,
         )
         """Runs the tools (the task's own, then data.tools) and the environment."""
+        agent = functools.partial(episode, vf_id, args) if vf_id is not None else cfg.agent
         self.agent_runner = (
             None
-            if cfg.agent is None
+            if agent is None
             else AgentRunner(
-                cfg.agent, cfg.agent_timeout_s, cfg.reward_import_timeout_s, cfg.tool_processes
+                agent,
+                cfg.agent_timeout_s,
+                cfg.reward_import_timeout_s,
+                cfg.tool_processes,
+                key="data.agent" if vf_id is None else "data.environment",
             )
         )
         """Runs data.agent's rollouts (jgrpo.rollout.agent_rollout), None without one."""
@@ -149,7 +180,7 @@ class Task:
         self.val_tasks: dict[str, Task] = {}
         """The data.val_sets entries by name, each a val-only Task (its prompts and scoring)."""
         for vs in cfg.val_sets:
-            vt = Task(vs.data_config(cfg), seed, load_data, val_set=vs.name)
+            vt = Task(vs.data_config(cfg), seed, load_data, vs.name, distilled=distilled)
             if vt.cfg.reward_functions == cfg.reward_functions:
                 vt._runner = self._runner  # the same terms: one reward process, not two
             self.val_tasks[vs.name] = vt
@@ -163,7 +194,10 @@ class Task:
                 self.agent_runner.start()
 
     def __reduce__(self):
-        return (Task, (self.cfg, self.seed, False, self.val_set))
+        return (
+            functools.partial(Task, distilled=self.distilled),
+            (self.cfg, self.seed, False, self.val_set),
+        )
 
     # ------------------------------------------------------------------------- data
 
@@ -415,7 +449,7 @@ class Task:
     ) -> tuple[np.ndarray, dict]:
         """Rewards float32[N] = task_reward_weight * correct + sum_i weight_i * fn_i(...) over
         the functions that returned a value for the row (see `jgrpo.tasks.rewards`), + the
-        environment's reward (weight 1; NaN = none, like a None).
+        environment's reward (weight 1; NaN = none, like a None; [N, K]: K terms).
 
         Multi-turn: `completions` are the last assistant turns (the verifier reads them),
         `conversations` the messages after each prompt, which reward functions and reward
@@ -473,7 +507,10 @@ class Task:
                 except Exception:  # noqa: BLE001 - a malformed example must not stop the run
                     num_errors += 1
             rewards += self.cfg.task_reward_weight * correct.astype(np.float64)
-        num_terms = len(self.cfg.reward_functions) + (environment_rewards is not None)
+        env = None  # [K, N]: the environment's (or a verifiers environment's K) terms
+        if environment_rewards is not None:
+            env = np.asarray(environment_rewards, np.float64).reshape(n, -1).T
+        num_terms = len(self.cfg.reward_functions) + (0 if env is None else len(env))
         values = np.zeros((num_terms, n), np.float64)
         status = np.zeros((num_terms, n), np.int8)
         fn_values, fn_status, problems = self._runner.run(
@@ -485,10 +522,10 @@ class Task:
         for f, scores in pending.items():
             values[f] = scores.result()
         model_s += time.perf_counter() - start
-        if environment_rewards is not None:
-            given = ~np.isnan(np.asarray(environment_rewards, np.float64))
-            values[-1] = np.where(given, environment_rewards, 0.0)
-            status[-1] = np.where(given, OK, NONE)
+        if env is not None:
+            given = ~np.isnan(env)
+            values[num_terms - len(env) :] = np.where(given, env, 0.0)
+            status[num_terms - len(env) :] = np.where(given, OK, NONE)
         ok = status == OK
         weights = [rf.weight for rf in self.cfg.reward_functions]
         weights += [1.0] * (num_terms - len(weights))  # the environment's term
@@ -546,14 +583,21 @@ def make_task(
     load_data: bool = True,
     train_dataset: Optional[Table] = None,
     eval_dataset: Optional[Table] = None,
+    distilled: bool = False,
 ) -> Task:
     """Validate `data_cfg` (files, fields, the reward start-up check) and build the Task.
 
     Raises ConfigError (one line naming the dotted key or file) before any model loads.
     `load_data=False` skips reading data and the reward check (rollout workers that only
     format and score). `train_dataset` / `eval_dataset` (a list of dicts or a
-    `datasets.Dataset`) replace data.train_path / data.val_path.
+    `datasets.Dataset`) replace data.train_path / data.val_path. `distilled`: the run has a
+    distillation.teacher, so a task without a verifier needs no reward function.
     """
     return Task(
-        data_cfg, seed, load_data=load_data, train_dataset=train_dataset, eval_dataset=eval_dataset
+        data_cfg,
+        seed,
+        load_data=load_data,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        distilled=distilled,
     )
