@@ -51,8 +51,8 @@ from jgrpo.rollout import (
     load_tokenizer,
     make_backend,
 )
-from jgrpo.rollout.engine import batch_stats
 from jgrpo.rollout.exchange import exchange_rows
+from jgrpo.rollout.results import batch_stats
 from jgrpo.tasks import make_task
 from jgrpo.tasks.child import forget_reports
 

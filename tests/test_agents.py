@@ -478,7 +478,7 @@ def test_padding_rows_stay_padding_when_batches_join():
     """Worker and pod joins shift group ids but leave padding rows (-1) alone; a pod host's
     agent batch is padded with rows that hold no sample."""
     from jgrpo.rollout.agent_rollout import pad_rows
-    from jgrpo.rollout.engine import shift_groups
+    from jgrpo.rollout.results import shift_groups
 
     assert shift_groups(np.asarray([0, 1, -1]), 4).tolist() == [4, 5, -1]
     batch = {

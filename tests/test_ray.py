@@ -21,14 +21,9 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
-from jgrpo.rollout.engine import (
-    VALIDATION_SALT,
-    RolloutFailure,
-    concat_results,
-    step_key,
-    train_salt,
-)
+from jgrpo.rollout.engine import VALIDATION_SALT, RolloutFailure, step_key, train_salt
 from jgrpo.rollout.ray_backend import RayRollout, WeightBroker, pull_weights
+from jgrpo.rollout.results import concat_results
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks import make_task
 
