@@ -493,6 +493,54 @@ def test_padding_rows_stay_padding_when_batches_join():
     assert padded["weight_version"].tolist() == [7] * 4
 
 
+def _agent_result(first_row, sample_mask, correct, sizes):
+    """A worker's agent batch (rows: a rollout's first row = 1) with its endpoint stats."""
+    from jgrpo.rollout.agent_rollout import AGENT_COUNTS
+    from jgrpo.rollout.results import RolloutResult, batch_stats
+
+    r = len(first_row)
+    batch = {k: np.asarray(first_row, np.int32) for k in AGENT_COUNTS}
+    batch |= {
+        "agent_first_row": np.asarray(first_row, np.int32),
+        "sample_mask": np.asarray(sample_mask, np.float32),
+        "correct": np.asarray(correct, bool),
+        "group_ids": np.where(np.asarray(sample_mask) > 0, 0, -1).astype(np.int32),
+        "rewards": np.zeros(r, np.float32),
+        "lengths": np.ones(r, np.int32),
+        "truncated": np.zeros(r, bool),
+        "weight_version": np.zeros(r, np.int32),
+        "input_ids": np.ones((r, 2), np.int32),
+    }
+    stats = batch_stats(batch) | {
+        "reward/num_errors": 0.0,
+        "reward/num_timeouts": 0.0,
+        "reward/num_none": 0.0,
+        "agents/sampler_calls": float(len(sizes)),
+        "agents/sampler_batch_mean": float(np.mean(sizes)),
+        "agents/sampler_batch_max": float(max(sizes)),
+        "perf/agent_s": float(len(sizes)),
+    }
+    return RolloutResult(batch, stats, [], ())
+
+
+def test_agent_batch_stats_count_rollouts_and_join_the_endpoints():
+    """reward/num_masked and reward/accuracy count rollouts (a rollout's first row), not
+    padding rows or a split rollout's second row; joined workers sum their sampler calls and
+    average their batch sizes over every call (hand values)."""
+    from jgrpo.rollout.results import concat_results
+
+    # worker 0: rollout A split in 2 (correct), rollout B failed (masked), 2 padding rows
+    a = _agent_result([1, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [4, 2])
+    # worker 1: rollouts C (wrong), D (correct), no padding
+    b = _agent_result([1, 1], [1, 1], [0, 1], [8])
+    assert a.stats["reward/num_masked"] == 1.0 and a.stats["reward/accuracy"] == 0.5
+    joined = concat_results([a, b], [0, 1]).stats
+    assert joined["reward/num_masked"] == 1.0 and joined["reward/accuracy"] == 0.5
+    assert joined["agents/sampler_calls"] == 3.0
+    assert joined["agents/sampler_batch_mean"] == (4 + 2 + 8) / 3
+    assert joined["agents/sampler_batch_max"] == 8.0 and joined["perf/agent_s"] == 2.0
+
+
 @pytest.mark.heavy
 def test_grpo_trainer_trains_with_an_agent_function(chat_model, tmp_path):
     """GRPOTrainer(agent=fn) (cloudpickled into the child): two steps through train.run; the

@@ -57,6 +57,9 @@ def concat_results(results: list[RolloutResult], group_offsets: list[int]) -> Ro
     counts = {k: float(sum(r.stats[k] for r in results)) for k in failure_keys(results[0].stats)}
     # workers run side by side: a phase lasts as long as its slowest worker
     counts |= {k: max(r.stats[k] for r in results) for k in PHASE_KEYS if k in results[0].stats}
+    counts |= agent_rollout.merge_sampler_parts(
+        [agent_rollout.sampler_parts(r.stats) for r in results]
+    )
     samples = [s for r in results for s in r.samples]
     names = results[0].reward_names
     failures = [f for r in results for f in r.failures]
@@ -153,9 +156,13 @@ def gather_pod_rows(result: RolloutResult | None, reward_names=None) -> RolloutR
     batch = {} if result is None else result.batch
     local = dict.fromkeys(REWARD_FAILURE_KEYS, 0.0) if result is None else result.stats
     rows = distributed.allgather_rows({k: v for k, v in batch.items() if k not in PADDED_KEYS})
-    counts = distributed.allgather(np.asarray([local[k] for k in REWARD_FAILURE_KEYS]))
-    total = np.sum(counts, axis=0)
+    here = np.concatenate(
+        [[local[k] for k in REWARD_FAILURE_KEYS], agent_rollout.sampler_parts(local)]
+    )
+    counts = np.asarray(distributed.allgather(here))
+    total = np.sum(counts[:, : len(REWARD_FAILURE_KEYS)], axis=0)
     failures = {k: float(v) for k, v in zip(REWARD_FAILURE_KEYS, total)}
+    failures |= agent_rollout.merge_sampler_parts(counts[:, len(REWARD_FAILURE_KEYS) :])
     # per-tool counts: this host's (a host with no rows may not know the tools' names)
     failures |= {k: local[k] for k in failure_keys(local)[len(REWARD_FAILURE_KEYS) :]}
     phases = {k: local[k] for k in PHASE_KEYS if k in local}  # this host's phase timings
