@@ -11,6 +11,7 @@ a raising and a hanging agent are counted (heavy: each compiles the sampler)."""
 
 import asyncio
 import functools
+import pathlib
 import textwrap
 import threading
 
@@ -579,3 +580,34 @@ def test_grpo_trainer_trains_with_an_agent_function(chat_model, tmp_path):
         assert r["agents/calls"] == 16 and r["agents/errors"] == 0
         assert 1.0 <= r["logprob/token_mult_prob_error"] <= 1.001
         assert r["agents/sampler_batch_max"] > 1
+
+
+FENCE = "`" * 3
+
+
+def test_the_demo_agent_is_the_documented_one_and_imports_no_jgrpo():
+    """configs/calculator_agent.py (`make demo-agent`) is docs/agents.md's agent, word for word;
+    it imports nothing from jgrpo; its tool schema is the built-in calculator's (so its prompts
+    are the tool demo's ids)."""
+    import ast
+    import importlib.util
+
+    from transformers.utils import get_json_schema
+
+    from jgrpo.tasks.calculator import calculator
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = root / "configs" / "calculator_agent.py"
+    source = path.read_text()
+    page = (root / "docs" / "agents.md").read_text()
+    assert f"{FENCE}python\n# calculator_agent.py\n{source}{FENCE}" in page
+    tree = ast.parse(source)
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert imported and not any(m.split(".")[0] == "jgrpo" for m in imported)
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert agent.TOOLS == [get_json_schema(calculator)]
+    assert agent.calculate("347*829") == calculator("347*829") == "287663"
+    assert agent.calculate("7/3") == calculator("7/3")
