@@ -81,16 +81,18 @@ def expected_logprobs(n, row_id):
 SETTINGS = Settings(budget=200, max_calls=4, temperature=1.0, top_p=1.0)
 
 
-def serve(endpoint, generate, agents, running=None, expect_errors=False):
+def serve(endpoint, generate, agents, running=None, expect_errors=False, max_retries=2):
     """Run the coroutines `agents` (each given its rollout's client) on a client thread while
-    this thread serves the endpoint; their results, in order."""
+    this thread serves the endpoint; their results, in order. `max_retries`: the clients'
+    (openai's default; data.agent's clients have 0)."""
     ids = endpoint.open(list(range(len(agents))), SETTINGS)
     out = {}
 
     def clients():
         async def one(agent, rid):
             url = endpoint.base_url(rid)
-            async with openai.AsyncOpenAI(base_url=url, api_key=endpoint.api_key) as client:
+            key, retries = endpoint.api_key, max_retries
+            async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=retries) as client:
                 return await agent(client)
 
         async def main():
@@ -248,6 +250,22 @@ def test_concurrent_agents_are_batched(tok):
     assert all(not isinstance(r, Exception) for r in out["results"])
     assert endpoint.batch_sizes == [32, 32]
     assert all(len(r.sequences) == 1 for r in out["rollouts"])
+    endpoint.close()
+
+
+@pytest.mark.heavy  # 256 clients and their threads
+def test_a_burst_of_agents_connects_at_once(tok):
+    """256 agents connect at once, without retries (as data.agent's clients): none is refused
+    (the stdlib server's listen backlog of 5 reset about half of such a burst)."""
+    endpoint = Endpoint(tok, ChatFormat(tok, [tok.eos_token_id]).stop_ids, gather_s=60)
+    script = Script(tok, lambda p: "ok<|im_end|>")
+
+    async def agent(client):
+        return await client.chat.completions.create(model="m", messages=USER)
+
+    out = serve(endpoint, script, [agent] * 256, max_retries=0)
+    assert [type(r).__name__ for r in out["results"] if isinstance(r, Exception)] == []
+    assert endpoint.batch_sizes == [256]
     endpoint.close()
 
 
