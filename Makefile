@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_TOOLS_WARM_START := --steps 400 --batch-size 32 --warmup-steps 30 --direct-after 200 --direct-fraction 0.7
 
-.PHONY: venv demo demo-tools distill learn test test-all test-fast lint bench bench-peers clean
+.PHONY: venv demo demo-tools demo-agent distill learn test test-all test-fast lint bench bench-peers clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,12 @@ learn: $(STAMP)
 demo-tools: $(STAMP)
 	$(BIN)/python tools/warm_start.py --config configs/demo_tools.yaml $(DEMO_TOOLS_WARM_START)
 	$(BIN)/jgrpo train --config configs/demo_tools.yaml --run-dir runs/demo-tools --fresh
+
+# the tool-use demo with the rollout a plain OpenAI-client agent (configs/calculator_agent.py,
+# docs/agents.md): the same warm start, task and GRPO settings as demo-tools
+demo-agent: $(STAMP)
+	$(BIN)/python tools/warm_start.py --config configs/demo_tools.yaml $(DEMO_TOOLS_WARM_START)
+	$(BIN)/jgrpo train --config configs/demo_agent.yaml --run-dir runs/demo-agent --fresh
 
 # make test: every feature's proof at a size that answers in minutes; make test-all adds the
 # `heavy` end-to-end proofs at full size (2-process pods, Ray SIGKILL, full mesh sweeps); CI runs it.

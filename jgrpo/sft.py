@@ -35,7 +35,7 @@ from jgrpo.plots import plot_run
 from jgrpo.sft_data import Encoded, Encoder, SFTSource, make_batch, make_sources
 from jgrpo.tasks import make_task
 from jgrpo.tasks.child import forget_reports
-from jgrpo.train import History, save_policy, write_run_config, write_summary
+from jgrpo.train import History, log_placement, save_policy, write_run_config, write_summary
 
 log = logging.getLogger("jgrpo")
 
@@ -120,12 +120,7 @@ def setup(
     log.info("loading the model %s", cfg.model.path)
     model = load_policy(cfg.model, folder, seed=cfg.sft.seed)
     built = step_setup.build_step(step_config(cfg), model, objective="sft")
-    log.info(
-        "placed it on %d %s device(s) (mesh %s)",
-        built.mesh.size,
-        jax.default_backend().upper(),
-        ", ".join(f"{a}={n}" for a, n in built.mesh.shape.items()),
-    )
+    log_placement(built)
     state = built.state
     checkpointer = Checkpointer.from_config(run_dir / "checkpoints", cfg.checkpoint)
     distributed.watch_checkpoints(checkpointer.directory, latest_complete_step)

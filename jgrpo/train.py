@@ -51,8 +51,8 @@ from jgrpo.rollout import (
     load_tokenizer,
     make_backend,
 )
-from jgrpo.rollout.engine import batch_stats
 from jgrpo.rollout.exchange import exchange_rows
+from jgrpo.rollout.results import batch_stats
 from jgrpo.tasks import make_task
 from jgrpo.tasks.child import forget_reports
 
@@ -114,6 +114,16 @@ def check_pod(cfg: Config, num_processes: int) -> None:
         )
 
 
+def log_placement(built: step_setup.StepSetup) -> None:
+    """Logs where the step's arrays went: the device count and kind, the mesh's axes."""
+    log.info(
+        "placed it on %d %s device(s) (mesh %s)",
+        built.mesh.size,
+        jax.default_backend().upper(),
+        ", ".join(f"{a}={n}" for a, n in built.mesh.shape.items()),
+    )
+
+
 def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None) -> Trainer:
     check_run(cfg)
     compile_cache.enable()
@@ -136,12 +146,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
         teacher = distillation.load_teacher(cfg)
     built = step_setup.build_step(cfg, model, teacher=teacher)
     del teacher  # its arrays live on in built.teacher, placed on the mesh
-    log.info(
-        "placed it on %d %s device(s) (mesh %s)",
-        built.mesh.size,
-        jax.default_backend().upper(),
-        ", ".join(f"{a}={n}" for a, n in built.mesh.shape.items()),
-    )
+    log_placement(built)
     state = built.state
     if cfg.rollout.backend == "local":  # Ray workers load their own (rollout.build_engine)
         task.attach_reward_models(load_reward_models(cfg, built.mesh))  # frozen, on the mesh

@@ -82,19 +82,26 @@ _SCHEDULES = {
 }
 
 
+def check_names(kind: str, given: dict, supported, unsupported: dict, doc: str) -> None:
+    """ConfigError naming the first argument of `given` that `kind` (GRPOConfig / SFTConfig)
+    does not take: one of `unsupported` (with its reason) or not among `supported`."""
+    trainer = kind.replace("Config", "Trainer")
+    for name in given:
+        if name in unsupported:
+            raise ConfigError(f"{kind}: {name} is not supported: {unsupported[name]}")
+        if name not in supported:
+            raise ConfigError(
+                f"{kind}: {name} is not a TRL argument jgrpo supports ({doc} lists those it "
+                f"maps; give jgrpo keys as {trainer}(overrides=[...]))"
+            )
+
+
 class GRPOConfig:
     """TRL-named training arguments (see the module docstring and docs/trl.md); read back any
     given one as an attribute (None when not given)."""
 
     def __init__(self, **kwargs: Any):
-        for name in kwargs:
-            if name in _UNSUPPORTED:
-                raise ConfigError(f"GRPOConfig: {name} is not supported: {_UNSUPPORTED[name]}")
-            if name not in SUPPORTED:
-                raise ConfigError(
-                    f"GRPOConfig: {name} is not a TRL argument jgrpo supports (docs/trl.md "
-                    "lists those it maps; give jgrpo keys as GRPOTrainer(overrides=[...]))"
-                )
+        check_names("GRPOConfig", kwargs, SUPPORTED, _UNSUPPORTED, "docs/trl.md")
         object.__setattr__(self, "given", dict(kwargs))
         """The arguments passed, by TRL name."""
         jgrpo_keys(self, {})  # every value error now, where the user wrote it
@@ -343,14 +350,7 @@ class SFTConfig:
     value, never TRL's default."""
 
     def __init__(self, **kwargs: Any):
-        for name in kwargs:
-            if name in _SFT_UNSUPPORTED:
-                raise ConfigError(f"SFTConfig: {name} is not supported: {_SFT_UNSUPPORTED[name]}")
-            if name not in SFT_SUPPORTED:
-                raise ConfigError(
-                    f"SFTConfig: {name} is not a TRL argument jgrpo supports (docs/sft.md lists "
-                    "those it maps; give jgrpo keys as SFTTrainer(overrides=[...]))"
-                )
+        check_names("SFTConfig", kwargs, SFT_SUPPORTED, _SFT_UNSUPPORTED, "docs/sft.md")
         object.__setattr__(self, "given", dict(kwargs))
         sft_keys(self)  # every value error now, where the user wrote it
 

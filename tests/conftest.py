@@ -184,6 +184,20 @@ def make_random_hf_model(hf_config, seed=0):
     return model
 
 
+def assert_hf_logits(folder, model, ids, atol=1e-4):
+    """transformers loads the HF folder `folder` (an export, a run's final/) and gives the
+    float32 logits of `model` (a jgrpo model, LoRA adapters included) on `ids` [B, T] to atol."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), want, atol=atol, rtol=0)
+
+
 def importable_modules(tmp_path_factory, sources: dict):
     """Generator for a module fixture: write {module name: source} into a fresh folder, put it
     on sys.path (inherited by child processes) and PYTHONPATH (Ray workers get the driver's),

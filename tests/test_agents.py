@@ -11,6 +11,7 @@ a raising and a hanging agent are counted (heavy: each compiles the sampler)."""
 
 import asyncio
 import functools
+import pathlib
 import textwrap
 import threading
 
@@ -80,16 +81,18 @@ def expected_logprobs(n, row_id):
 SETTINGS = Settings(budget=200, max_calls=4, temperature=1.0, top_p=1.0)
 
 
-def serve(endpoint, generate, agents, running=None, expect_errors=False):
+def serve(endpoint, generate, agents, running=None, expect_errors=False, max_retries=2):
     """Run the coroutines `agents` (each given its rollout's client) on a client thread while
-    this thread serves the endpoint; their results, in order."""
+    this thread serves the endpoint; their results, in order. `max_retries`: the clients'
+    (openai's default; data.agent's clients have 0)."""
     ids = endpoint.open(list(range(len(agents))), SETTINGS)
     out = {}
 
     def clients():
         async def one(agent, rid):
             url = endpoint.base_url(rid)
-            async with openai.AsyncOpenAI(base_url=url, api_key=endpoint.api_key) as client:
+            key, retries = endpoint.api_key, max_retries
+            async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=retries) as client:
                 return await agent(client)
 
         async def main():
@@ -247,6 +250,22 @@ def test_concurrent_agents_are_batched(tok):
     assert all(not isinstance(r, Exception) for r in out["results"])
     assert endpoint.batch_sizes == [32, 32]
     assert all(len(r.sequences) == 1 for r in out["rollouts"])
+    endpoint.close()
+
+
+@pytest.mark.heavy  # 256 clients and their threads
+def test_a_burst_of_agents_connects_at_once(tok):
+    """256 agents connect at once, without retries (as data.agent's clients): none is refused
+    (the stdlib server's listen backlog of 5 reset about half of such a burst)."""
+    endpoint = Endpoint(tok, ChatFormat(tok, [tok.eos_token_id]).stop_ids, gather_s=60)
+    script = Script(tok, lambda p: "ok<|im_end|>")
+
+    async def agent(client):
+        return await client.chat.completions.create(model="m", messages=USER)
+
+    out = serve(endpoint, script, [agent] * 256, max_retries=0)
+    assert [type(r).__name__ for r in out["results"] if isinstance(r, Exception)] == []
+    assert endpoint.batch_sizes == [256]
     endpoint.close()
 
 
@@ -478,7 +497,7 @@ def test_padding_rows_stay_padding_when_batches_join():
     """Worker and pod joins shift group ids but leave padding rows (-1) alone; a pod host's
     agent batch is padded with rows that hold no sample."""
     from jgrpo.rollout.agent_rollout import pad_rows
-    from jgrpo.rollout.engine import shift_groups
+    from jgrpo.rollout.results import shift_groups
 
     assert shift_groups(np.asarray([0, 1, -1]), 4).tolist() == [4, 5, -1]
     batch = {
@@ -491,6 +510,54 @@ def test_padding_rows_stay_padding_when_batches_join():
     assert padded["group_ids"].tolist() == [0, -1, -1, -1]
     assert padded["input_ids"][2:].sum() == 0 and np.isnan(padded["reward_terms"][2:]).all()
     assert padded["weight_version"].tolist() == [7] * 4
+
+
+def _agent_result(first_row, sample_mask, correct, sizes):
+    """A worker's agent batch (rows: a rollout's first row = 1) with its endpoint stats."""
+    from jgrpo.rollout.agent_rollout import AGENT_COUNTS
+    from jgrpo.rollout.results import RolloutResult, batch_stats
+
+    r = len(first_row)
+    batch = {k: np.asarray(first_row, np.int32) for k in AGENT_COUNTS}
+    batch |= {
+        "agent_first_row": np.asarray(first_row, np.int32),
+        "sample_mask": np.asarray(sample_mask, np.float32),
+        "correct": np.asarray(correct, bool),
+        "group_ids": np.where(np.asarray(sample_mask) > 0, 0, -1).astype(np.int32),
+        "rewards": np.zeros(r, np.float32),
+        "lengths": np.ones(r, np.int32),
+        "truncated": np.zeros(r, bool),
+        "weight_version": np.zeros(r, np.int32),
+        "input_ids": np.ones((r, 2), np.int32),
+    }
+    stats = batch_stats(batch) | {
+        "reward/num_errors": 0.0,
+        "reward/num_timeouts": 0.0,
+        "reward/num_none": 0.0,
+        "agents/sampler_calls": float(len(sizes)),
+        "agents/sampler_batch_mean": float(np.mean(sizes)),
+        "agents/sampler_batch_max": float(max(sizes)),
+        "perf/agent_s": float(len(sizes)),
+    }
+    return RolloutResult(batch, stats, [], ())
+
+
+def test_agent_batch_stats_count_rollouts_and_join_the_endpoints():
+    """reward/num_masked and reward/accuracy count rollouts (a rollout's first row), not
+    padding rows or a split rollout's second row; joined workers sum their sampler calls and
+    average their batch sizes over every call (hand values)."""
+    from jgrpo.rollout.results import concat_results
+
+    # worker 0: rollout A split in 2 (correct), rollout B failed (masked), 2 padding rows
+    a = _agent_result([1, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [4, 2])
+    # worker 1: rollouts C (wrong), D (correct), no padding
+    b = _agent_result([1, 1], [1, 1], [0, 1], [8])
+    assert a.stats["reward/num_masked"] == 1.0 and a.stats["reward/accuracy"] == 0.5
+    joined = concat_results([a, b], [0, 1]).stats
+    assert joined["reward/num_masked"] == 1.0 and joined["reward/accuracy"] == 0.5
+    assert joined["agents/sampler_calls"] == 3.0
+    assert joined["agents/sampler_batch_mean"] == (4 + 2 + 8) / 3
+    assert joined["agents/sampler_batch_max"] == 8.0 and joined["perf/agent_s"] == 2.0
 
 
 @pytest.mark.heavy
@@ -531,3 +598,34 @@ def test_grpo_trainer_trains_with_an_agent_function(chat_model, tmp_path):
         assert r["agents/calls"] == 16 and r["agents/errors"] == 0
         assert 1.0 <= r["logprob/token_mult_prob_error"] <= 1.001
         assert r["agents/sampler_batch_max"] > 1
+
+
+FENCE = "`" * 3
+
+
+def test_the_demo_agent_is_the_documented_one_and_imports_no_jgrpo():
+    """configs/calculator_agent.py (`make demo-agent`) is docs/agents.md's agent, word for word;
+    it imports nothing from jgrpo; its tool schema is the built-in calculator's (so its prompts
+    are the tool demo's ids)."""
+    import ast
+    import importlib.util
+
+    from transformers.utils import get_json_schema
+
+    from jgrpo.tasks.calculator import calculator
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    path = root / "configs" / "calculator_agent.py"
+    source = path.read_text()
+    page = (root / "docs" / "agents.md").read_text()
+    assert f"{FENCE}python\n# calculator_agent.py\n{source}{FENCE}" in page
+    tree = ast.parse(source)
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert imported and not any(m.split(".")[0] == "jgrpo" for m in imported)
+    spec = importlib.util.spec_from_file_location("calculator_agent", path)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    assert agent.TOOLS == [get_json_schema(calculator)]
+    assert agent.calculate("347*829") == calculator("347*829") == "287663"
+    assert agent.calculate("7/3") == calculator("7/3")

@@ -10,7 +10,8 @@ import pytest
 from jgrpo import losses, sampling
 from jgrpo.config import AdvantageConfig, ConfigError, RewardFunctionConfig, load_config
 from jgrpo.rollout import dapo
-from jgrpo.rollout.engine import RolloutEngine, batch_stats, load_tokenizer
+from jgrpo.rollout.engine import RolloutEngine, load_tokenizer
+from jgrpo.rollout.results import batch_stats
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 QUIET = ["grpo.val_at_start=false", "grpo.val_at_end=false", "logging.tensorboard=false"]

@@ -511,3 +511,51 @@ def test_two_process_moe_pod_with_router_replay_matches_one_process(tmp_path, ja
     for r in rows + reference:
         assert r["moe/routing_mismatch"] == 0.0
         assert r["logprob/token_mult_prob_error"] <= 1.001
+
+
+# ----------------------------------------------------------------------------- agents
+
+POD_AGENT = """
+async def agent(client, record):
+    messages = list(record["prompt_messages"])
+    first = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    ids = first.choices[0].token_ids
+    if ids[0] % 2:  # a rewritten history: the rollout splits into two sequences
+        messages = [{"role": "user", "content": "again"}]
+    else:
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+    second = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    return (sum(ids) + sum(second.choices[0].token_ids)) % 7 / 6
+"""
+
+
+@pytest.mark.heavy  # make test: test_agents' endpoint tests and the joins' hand values
+def test_two_process_pod_with_an_agent_matches_one_process(tmp_path, jax_cache):
+    """data.agent on a pod: each host runs its rows' agents against its own endpoint and pads
+    its rows to the other host's count; the run equals one process serving every row (split
+    rollouts included), and the hosts' sampler calls add up."""
+    (tmp_path / "pod_agent.py").write_text(POD_AGENT)
+    agent = [
+        "model.path=builtin:tiny-qwen2-chat",
+        "data.agent=pod_agent:agent",
+        "rollout.max_new_tokens=24",
+        "rollout.max_turns=2",
+    ]
+    overrides = [*(o for o in OVERRIDES if not o.startswith("data.reward_")), *agent]
+    one, pod = str(tmp_path / "one"), str(tmp_path / "pod")
+    procs = _launch(tmp_path, one, 1, cache=jax_cache, overrides=overrides)
+    procs += _launch(tmp_path, pod, 2, cache=jax_cache, overrides=overrides)
+    codes = _wait(procs, timeout=900)
+    logs = [_log(tmp_path, one, 0), _log(tmp_path, pod, 0), _log(tmp_path, pod, 1)]
+    assert codes == [0, 0, 0], "\n".join(log[-3000:] for log in logs)
+    reference, rows = read_metrics(one), read_metrics(pod)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 1e-4 for r in reference)  # nothing compared is 0
+    assert sum(r["agents/split_rollouts"] for r in reference) > 0
+    _assert_same_metrics(rows, reference, steps=[1, 2, 3])
+    counts = ("agents/calls", "agents/sequences", "agents/split_rollouts", "reward/num_masked")
+    for r, ref in zip(rows, reference):
+        assert {k: r[k] for k in counts} == {k: ref[k] for k in counts}, r["step"]
+        assert r["agents/calls"] == 32 and r["agents/sampler_calls"] >= 4  # 2 a host at least
+        assert r["agents/sampler_batch_max"] <= 8  # a host batches only its own rows

@@ -139,7 +139,9 @@ def test_packed_rows_on_the_gpu_kernel_path_see_only_their_own_segment(monkeypat
     )
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-qwen3-moe"])
+@pytest.fixture(
+    scope="module", params=[pytest.param("tiny-qwen2", marks=pytest.mark.heavy), "tiny-qwen3-moe"]
+)
 def tiny_folder(request):
     from jgrpo.models.sources import resolve_model_path
 

@@ -10,7 +10,7 @@ import peft
 import pytest
 import torch
 import transformers
-from conftest import TINY_MODEL_FIELDS, make_random_hf_model
+from conftest import TINY_MODEL_FIELDS, assert_hf_logits, make_random_hf_model
 from flax import nnx
 
 from jgrpo.models import from_pretrained, save_pretrained
@@ -408,12 +408,11 @@ def test_run_export_merged_and_peft_match_the_trained_policy(lora_run, tmp_path)
     assert "lora" in structure and "'embed'" not in structure  # no base weights in it
     model, folder, _ = load_checkpoint_model(run_dir)
     assert model.cfg.lora is not None
-    ours = np.asarray(forward(model, IDS % model.cfg.vocab_size))
+    ids = IDS % model.cfg.vocab_size
+    ours = np.asarray(forward(model, ids))
     assert main(["export", str(run_dir), str(tmp_path / "merged")]) == 0
     assert main(["export", str(run_dir), str(tmp_path / "adapter"), "--adapter"]) == 0
-    ids = IDS % model.cfg.vocab_size
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    np.testing.assert_allclose(torch_logits(hf, ids), ours, atol=TOL, rtol=0)
+    assert_hf_logits(tmp_path / "merged", model, ids, atol=TOL)
     base_hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model.path))
     peft_model = peft.PeftModel.from_pretrained(base_hf, tmp_path / "adapter").eval()
     np.testing.assert_allclose(torch_logits(peft_model, ids), ours, atol=TOL, rtol=0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import assert_hf_logits
 from test_packing import BASE as PACK_BASE
 from test_packing import assert_same, batch_math, host_batch
 
@@ -139,15 +140,6 @@ def assert_trained(rows, steps):
         assert r["moe/tokens_per_expert_max"] >= r["moe/tokens_per_expert_mean"] > 0
 
 
-def hf_logits_match(folder, model):
-    """transformers loads HF folder `folder` and gives `model`'s float32 logits (1e-4)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    ids = np.random.RandomState(6).randint(4, 260, (2, 9))
-    with torch.no_grad():
-        want = hf(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), want, atol=1e-4, rtol=0)
-
-
 RUNS = {
     "glm_full": ["model.path=builtin:tiny-glm4-moe"],
     "glm_lora": ["model.path=builtin:tiny-glm4-moe", *LORA],
@@ -183,7 +175,8 @@ def test_moe_run_resumes_and_exports(tmp_path, monkeypatch, length_reward, case)
         exported = tmp_path / "merged"
     else:
         exported = full_dir / "final"
-    hf_logits_match(exported, load_checkpoint_model(full_dir)[0])
+    ids = np.random.RandomState(6).randint(4, 260, (2, 9))
+    assert_hf_logits(exported, load_checkpoint_model(full_dir)[0], ids)
 
     collect = LocalRollout.collect
 

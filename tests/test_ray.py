@@ -21,14 +21,9 @@ from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
 from jgrpo.rollout import build_engine, make_backend
-from jgrpo.rollout.engine import (
-    VALIDATION_SALT,
-    RolloutFailure,
-    concat_results,
-    step_key,
-    train_salt,
-)
+from jgrpo.rollout.engine import VALIDATION_SALT, RolloutFailure, step_key, train_salt
 from jgrpo.rollout.ray_backend import RayRollout, WeightBroker, pull_weights
+from jgrpo.rollout.results import concat_results
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks import make_task
 
@@ -504,3 +499,47 @@ def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
     for r in rows[1:]:
         assert np.isfinite(r["loss/total"]) and np.isfinite(r["reward/judge/mean"])
         assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0
+
+
+AGENT = """
+async def agent(client, record):
+    messages = list(record["prompt_messages"])
+    first = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    ids = first.choices[0].token_ids
+    if ids[0] % 2:  # a rewritten history: the rollout splits into two sequences
+        messages = [{"role": "user", "content": "again"}]
+    else:
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+    second = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    return (sum(ids) + sum(second.choices[0].token_ids)) % 7 / 6
+"""
+AGENT_RUN = [
+    "model.path=builtin:tiny-qwen2-chat",
+    "data.agent=ray_agent:agent",
+    "rollout.max_new_tokens=24",
+    "rollout.max_turns=2",
+]
+
+
+@pytest.mark.heavy  # make test: test_agents' endpoint tests and the joins' hand values
+def test_agent_run_on_ray_workers_matches_local_run(tmp_path, monkeypatch):
+    """data.agent on 2 Ray workers: each worker serves its own rows on its own endpoint; the
+    run's metrics are the local run's (split rollouts and padding rows included), and the
+    endpoints' sampler calls add up over the workers."""
+    (tmp_path / "ray_agent.py").write_text(AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the trainer's agent children
+    paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # the workers' (_driver_paths)
+    want = run_tiny(tmp_path / "local", *AGENT_RUN)
+    got = run_tiny(tmp_path / "ray", *AGENT_RUN, "rollout.backend=ray", "rollout.num_workers=2")
+    batching = [{k: r.pop(k) for k in list(r) if k.startswith("agents/sampler_")} for r in got]
+    for r in want:  # how requests met in the sampler depends on the processes and timing
+        [r.pop(k) for k in list(r) if k.startswith("agents/sampler_")]
+    assert_same_metrics(got, want, split=True)
+    assert sum(r["agents/split_rollouts"] for r in want[1:]) > 0
+    assert all(r["train/grad_norm"] > 1e-4 for r in want[1:])
+    for r, b in zip(got[1:], batching[1:]):  # 16 rollouts, 8 a worker, 2 calls each
+        assert r["agents/calls"] == 32 and b["agents/sampler_calls"] >= 4
+        assert b["agents/sampler_batch_max"] <= 8  # a worker batches only its own rows
+        assert b["agents/sampler_batch_mean"] * b["agents/sampler_calls"] == pytest.approx(32)

@@ -14,12 +14,8 @@ from jgrpo.batch import TrainBatch, left_pad
 from jgrpo.config import ConfigError, load_config
 from jgrpo.metrics import read_metrics
 from jgrpo.models import from_pretrained
-from jgrpo.rollout.engine import (
-    REWARD_FAILURE_KEYS,
-    RolloutResult,
-    assemble_batch,
-    concat_results,
-)
+from jgrpo.rollout.engine import assemble_batch
+from jgrpo.rollout.results import REWARD_FAILURE_KEYS, RolloutResult, concat_results
 from jgrpo.sampling import SamplingParams, generate
 
 PROMPTS = [[5, 9, 3], [7, 1, 4, 4, 2, 8], [11, 12], [3, 3, 3, 3]]

@@ -205,7 +205,7 @@ def bfloat16_models(model, kernels_path):
     return sampler, nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), state))
 
 
-@pytest.mark.parametrize("kernels_path", KERNELS)
+@pytest.mark.parametrize("kernels_path", ["cpu", pytest.param("portable", marks=pytest.mark.heavy)])
 def test_bfloat16_generation_logprobs_match_trainer_forward(pair, kernels_path):
     """bf16 compute (float32 parameters): the sampler's logprobs vs the training forward's
     (Transformer.__call__ + losses.token_logprobs over the left-padded prompt + completion)."""
@@ -476,7 +476,7 @@ def shard_state(state, mesh):
 
 @pytest.mark.parametrize(
     "temperature,kernels_path",
-    [(0.0, "cpu"), pytest.param(1.0, "cpu", marks=pytest.mark.heavy), (1.0, "portable")],
+    [pytest.param(t, "cpu", marks=pytest.mark.heavy) for t in (0.0, 1.0)] + [(1.0, "portable")],
 )
 def test_sharded_params_give_the_same_tokens(pair, temperature, kernels_path):
     model = with_kernels(pair[1], kernels_path)

@@ -76,7 +76,8 @@ class Settings:
     learning_rate: float = 3e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 50
-    """Linear warmup steps."""
+    """Linear warmup steps W (jgrpo's schedule: update k < W uses (k+1)/W of the peak; the loop
+    before `jgrpo sft` used k/W, docs/performance.md "The warm starts by `jgrpo sft`")."""
     direct_fraction: float = 0.0
     """Chat tasks with tools: the fraction of SFT conversations in which the assistant answers at
     once, without calling a tool (the rest are the task's ideal tool conversation). Drawn per

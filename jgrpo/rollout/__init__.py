@@ -13,16 +13,14 @@ of jgrpo that imports ray). The trainer only ever sees numpy batches.
 """
 
 from jgrpo.rollout.engine import (
-    STEP_KEYS,
     RolloutEngine,
     RolloutFailure,
-    RolloutResult,
     build_engine,
-    concat_results,
     load_tokenizer,
     step_key,
 )
 from jgrpo.rollout.local import LocalRollout
+from jgrpo.rollout.results import STEP_KEYS, RolloutResult, concat_results
 
 __all__ = [
     "STEP_KEYS",

@@ -8,11 +8,13 @@ reported, cancelling an agent whose own time (not its calls') passes data.agent_
 counts k times in its group's statistics and each sequence is a row for every normaliser; a
 rollout without sequences gets one empty row; rows are padded to a multiple of the rollouts B
 (group id -1: no sample). A failed agent's rows hold no sample. `agent_stats` (the agents/*
-metrics), `pad_rows` (a pod host's rows up to the others'). docs/agents.md."""
+metrics), `pad_rows` (a pod host's rows up to the others'), `sampler_parts` /
+`merge_sampler_parts` (endpoint batch sizes over Ray workers and pod hosts). docs/agents.md."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -212,11 +214,18 @@ def reward_columns(results, ok, terms: tuple[str, ...] | None) -> np.ndarray:
 
 
 def agent_stats(batch) -> dict[str, float]:
-    """The agent metrics of a batch holding AGENT_COUNTS (empty when it does not)."""
+    """The agent metrics of a batch holding AGENT_COUNTS (empty when it does not), and its
+    per-rollout `reward/num_masked` and `reward/accuracy` (read on each rollout's first row:
+    padding rows and a split rollout's other rows are not counted)."""
     if "agent_calls" not in batch:
         return {}
     seqs = batch["agent_sequences"]
-    return {
+    first = batch["agent_first_row"] > 0
+    per_rollout = {"reward/num_masked": float((batch["sample_mask"][first] == 0).sum())}
+    if "correct" in batch:
+        correct = batch["correct"][first]
+        per_rollout["reward/accuracy"] = float(correct.mean()) if len(correct) else math.nan
+    return per_rollout | {
         "agents/calls": float(batch["agent_calls"].sum()),
         "agents/sequences": float(seqs.sum()),
         "agents/split_rollouts": float((seqs > 1).sum()),
@@ -246,3 +255,34 @@ def pad_rows(batch: dict, rows: int) -> dict:
             extra[:] = value[0]
         out[key] = np.concatenate([value, extra])
     return out
+
+
+SAMPLER_PARTS = 5
+"""Length of `sampler_parts`: [has agents, sampler calls, rows of all calls, max rows, agent_s]."""
+
+
+def sampler_parts(stats: dict) -> np.ndarray:
+    """float64[SAMPLER_PARTS] of one worker's or host's endpoint statistics (zeros without
+    agents), which `merge_sampler_parts` joins: a fixed shape, so hosts can allgather it."""
+    if "agents/sampler_calls" not in stats:
+        return np.zeros(SAMPLER_PARTS)
+    calls = stats["agents/sampler_calls"]
+    rows = calls * stats["agents/sampler_batch_mean"]
+    return np.asarray(
+        [1.0, calls, rows, stats["agents/sampler_batch_max"], stats["perf/agent_s"]], np.float64
+    )
+
+
+def merge_sampler_parts(parts) -> dict[str, float]:
+    """The endpoint statistics of several workers or hosts (`sampler_parts` rows): calls
+    summed, the mean over every call, the max, agent time the slowest one's (side by side)."""
+    parts = np.asarray(parts, np.float64).reshape(-1, SAMPLER_PARTS)
+    if not (parts[:, 0] > 0).any():
+        return {}
+    calls, rows = float(parts[:, 1].sum()), float(parts[:, 2].sum())
+    return {
+        "agents/sampler_calls": calls,
+        "agents/sampler_batch_mean": rows / calls if calls else 0.0,
+        "agents/sampler_batch_max": float(parts[:, 3].max()),
+        "perf/agent_s": float(parts[:, 4].max()),
+    }

@@ -86,7 +86,7 @@ class Endpoint:
         class Handler(_Handler):
             owner = endpoint
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
@@ -339,6 +339,12 @@ class Endpoint:
 
     def _response(self, rollout: Rollout, p: _Pending) -> dict:
         return response_body(self.tokenizer, rollout.id, p.call)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 4096
+    """The listen backlog: every rollout of a step connects at once (the stdlib's default, 5,
+    made a burst of a few hundred agents' connections fail with connection resets)."""
 
 
 class _Handler(BaseHTTPRequestHandler):

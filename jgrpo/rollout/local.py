@@ -20,15 +20,8 @@ from flax import nnx
 
 from jgrpo import distributed, sharding
 from jgrpo.models.adapters import join_lora
-from jgrpo.rollout.engine import (
-    VALIDATION_SALT,
-    RolloutEngine,
-    RolloutResult,
-    gather_pod_rows,
-    join_pod_slice,
-    step_key,
-    train_salt,
-)
+from jgrpo.rollout.engine import VALIDATION_SALT, RolloutEngine, step_key, train_salt
+from jgrpo.rollout.results import RolloutResult, gather_pod_rows, join_pod_slice
 from jgrpo.tasks.child import report_failures
 
 

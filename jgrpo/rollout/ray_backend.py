@@ -28,16 +28,8 @@ import ray
 
 from jgrpo import distributed
 from jgrpo.config import Config, ConfigError
-from jgrpo.rollout.engine import (
-    VALIDATION_SALT,
-    RolloutFailure,
-    RolloutResult,
-    concat_results,
-    gather_pod_rows,
-    join_pod_slice,
-    step_key,
-    train_salt,
-)
+from jgrpo.rollout.engine import VALIDATION_SALT, RolloutFailure, step_key, train_salt
+from jgrpo.rollout.results import RolloutResult, concat_results, gather_pod_rows, join_pod_slice
 from jgrpo.rollout.weight_shards import assemble_shards, local_shards
 from jgrpo.tasks.child import report_failures
 

@@ -54,9 +54,9 @@ _KINDS = {
 }
 _NEEDS_RECORDS = ("gsm8k", "prompts")
 ENVIRONMENT_TERM = "environment"
+"""The reward term (weight 1) of the environment's step rewards, summed over a rollout."""
 AGENT_TERM = "agent"
 """The reward term (weight 1) of the rewards data.agent returns (jgrpo.tasks.agents)."""
-"""The reward term (weight 1) of the environment's step rewards, summed over a rollout."""
 _VAL_SEED = 20_240_601
 """Seed of synthetic validation sets (fixed: the same for every run seed)."""
 _MAX_REJECTS = 10_000
@@ -576,28 +576,13 @@ class Task:
             vt.close()
 
 
-def make_task(
-    data_cfg: DataConfig,
-    seed: int,
-    *,
-    load_data: bool = True,
-    train_dataset: Optional[Table] = None,
-    eval_dataset: Optional[Table] = None,
-    distilled: bool = False,
-) -> Task:
+def make_task(data_cfg: DataConfig, seed: int, **options: Any) -> Task:
     """Validate `data_cfg` (files, fields, the reward start-up check) and build the Task.
 
     Raises ConfigError (one line naming the dotted key or file) before any model loads.
-    `load_data=False` skips reading data and the reward check (rollout workers that only
-    format and score). `train_dataset` / `eval_dataset` (a list of dicts or a
-    `datasets.Dataset`) replace data.train_path / data.val_path. `distilled`: the run has a
-    distillation.teacher, so a task without a verifier needs no reward function.
+    `options` are Task's keywords: `load_data=False` skips reading data and the reward check
+    (rollout workers that only format and score); `train_dataset` / `eval_dataset` (a list of
+    dicts or a `datasets.Dataset`) replace data.train_path / data.val_path; `distilled`: the
+    run has a distillation.teacher, so a task without a verifier needs no reward function.
     """
-    return Task(
-        data_cfg,
-        seed,
-        load_data=load_data,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        distilled=distilled,
-    )
+    return Task(data_cfg, seed, **options)
