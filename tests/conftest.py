@@ -281,3 +281,20 @@ def ray_cluster():
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()
+
+
+SPLITTING_AGENT = """
+async def agent(client, record):
+    messages = list(record["prompt_messages"])
+    first = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    ids = first.choices[0].token_ids
+    if ids[0] % 2:  # a rewritten history: the rollout splits into two sequences
+        messages = [{"role": "user", "content": "again"}]
+    else:
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "user", "content": "more"}]
+    second = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
+    return (sum(ids) + sum(second.choices[0].token_ids)) % 7 / 6
+"""
+"""A data.agent module's source (async `agent`): two calls per rollout; an odd first token
+rewrites the history, so those rollouts split into two sequences (the Ray and pod agent tests)."""

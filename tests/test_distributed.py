@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import SPLITTING_AGENT, xla_flags
 from flax import nnx
 
 from jgrpo import distributed
@@ -515,27 +515,13 @@ def test_two_process_moe_pod_with_router_replay_matches_one_process(tmp_path, ja
 
 # ----------------------------------------------------------------------------- agents
 
-POD_AGENT = """
-async def agent(client, record):
-    messages = list(record["prompt_messages"])
-    first = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
-    ids = first.choices[0].token_ids
-    if ids[0] % 2:  # a rewritten history: the rollout splits into two sequences
-        messages = [{"role": "user", "content": "again"}]
-    else:
-        messages += [first.choices[0].message.model_dump(exclude_none=True)]
-        messages += [{"role": "user", "content": "more"}]
-    second = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
-    return (sum(ids) + sum(second.choices[0].token_ids)) % 7 / 6
-"""
-
 
 @pytest.mark.heavy  # make test: test_agents' endpoint tests and the joins' hand values
 def test_two_process_pod_with_an_agent_matches_one_process(tmp_path, jax_cache):
     """data.agent on a pod: each host runs its rows' agents against its own endpoint and pads
     its rows to the other host's count; the run equals one process serving every row (split
     rollouts included), and the hosts' sampler calls add up."""
-    (tmp_path / "pod_agent.py").write_text(POD_AGENT)
+    (tmp_path / "pod_agent.py").write_text(SPLITTING_AGENT)
     agent = [
         "model.path=builtin:tiny-qwen2-chat",
         "data.agent=pod_agent:agent",

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import ray
-from conftest import build_reward_model
+from conftest import SPLITTING_AGENT, build_reward_model
 from flax import nnx
 
 from jgrpo import sampling, sharding, train
@@ -501,19 +501,6 @@ def test_runs_with_a_reward_model_on_ray_workers(tmp_path):
         assert r["rollout/staleness_max"] <= 1.0 and r["perf/reward_model_s"] > 0
 
 
-AGENT = """
-async def agent(client, record):
-    messages = list(record["prompt_messages"])
-    first = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
-    ids = first.choices[0].token_ids
-    if ids[0] % 2:  # a rewritten history: the rollout splits into two sequences
-        messages = [{"role": "user", "content": "again"}]
-    else:
-        messages += [first.choices[0].message.model_dump(exclude_none=True)]
-        messages += [{"role": "user", "content": "more"}]
-    second = await client.chat.completions.create(model="p", messages=messages, max_tokens=6)
-    return (sum(ids) + sum(second.choices[0].token_ids)) % 7 / 6
-"""
 AGENT_RUN = [
     "model.path=builtin:tiny-qwen2-chat",
     "data.agent=ray_agent:agent",
@@ -527,7 +514,7 @@ def test_agent_run_on_ray_workers_matches_local_run(tmp_path, monkeypatch):
     """data.agent on 2 Ray workers: each worker serves its own rows on its own endpoint; the
     run's metrics are the local run's (split rollouts and padding rows included), and the
     endpoints' sampler calls add up over the workers."""
-    (tmp_path / "ray_agent.py").write_text(AGENT)
+    (tmp_path / "ray_agent.py").write_text(SPLITTING_AGENT)
     monkeypatch.syspath_prepend(str(tmp_path))  # the trainer's agent children
     paths = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # the workers' (_driver_paths)
