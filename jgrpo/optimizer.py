@@ -46,11 +46,19 @@ def total_updates(cfg: Config) -> int:
 
 
 def make_schedule(
-    kind: str, warmup_steps: int, total_updates: int, min_ratio: float = 0.0
+    kind: str,
+    warmup_steps: int,
+    total_updates: int,
+    min_ratio: float = 0.0,
+    warmup_start: float | None = None,
 ) -> optax.Schedule:
-    """Multiplier of the peak learning rate after `count` updates: linear warmup from
-    1/warmup_steps to 1 over warmup_steps updates, then constant / linear / cosine decay to
-    `min_ratio` (optim.min_lr_ratio) at total_updates (optax schedules)."""
+    """Multiplier of the peak learning rate after `count` updates: a linear warmup over
+    warmup_steps updates, then constant / linear / cosine decay to `min_ratio`
+    (optim.min_lr_ratio) at total_updates (optax schedules). The warmup (optim.warmup_start_ratio
+    = `warmup_start`): None gives update k the multiplier (k+1)/warmup_steps, so no update is
+    spent at rate 0 and update warmup_steps-1 is at the peak; a number s gives
+    s + (1-s) k/warmup_steps, at the peak from update warmup_steps (s = 0: Hugging Face's and
+    optax's warmup; s > 0: torch's LinearLR with start_factor s)."""
     warm, decay_steps = warmup_steps, max(total_updates - warmup_steps, 1)
     decay = {
         "constant": optax.constant_schedule(1.0),
@@ -59,14 +67,21 @@ def make_schedule(
     }[kind]
     if warm == 0:
         return decay
-    warmup = optax.linear_schedule(1.0 / warm, 1.0, warm - 1) if warm > 1 else (lambda _: 1.0)
+    if warmup_start is not None:
+        warmup = optax.linear_schedule(warmup_start, 1.0, warm)
+    elif warm > 1:
+        warmup = optax.linear_schedule(1.0 / warm, 1.0, warm - 1)
+    else:
+        warmup = lambda _: 1.0
     return optax.join_schedules([warmup, decay], [warm])
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """inject_hyperparams(clip_by_global_norm -> adamw(peak lr x schedule)), float32 moments."""
     o = cfg.optim
-    schedule = make_schedule(o.schedule, o.warmup_steps, total_updates(cfg), o.min_lr_ratio)
+    schedule = make_schedule(
+        o.schedule, o.warmup_steps, total_updates(cfg), o.min_lr_ratio, o.warmup_start_ratio
+    )
 
     def chain(learning_rate, weight_decay, max_grad_norm=None):
         adamw = optax.adamw(

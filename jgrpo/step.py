@@ -70,6 +70,8 @@ class StepFlags:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     """optim.min_lr_ratio (a compile-time constant of the schedule, like warmup_steps)."""
+    warmup_start_ratio: float | None = None
+    """optim.warmup_start_ratio (likewise)."""
     total_updates: int = 1
     lora: bool = False
     """LoRA run: the trainable tree is the adapters, the reference is the base (the model's
@@ -110,6 +112,7 @@ class StepFlags:
             schedule=cfg.optim.schedule,
             warmup_steps=cfg.optim.warmup_steps,
             min_lr_ratio=cfg.optim.min_lr_ratio,
+            warmup_start_ratio=cfg.optim.warmup_start_ratio,
             total_updates=total_updates(cfg),
             lora=cfg.model.lora.rank > 0,
             first_scored=cfg.rollout.prompt_bucket,
@@ -481,7 +484,11 @@ def optimizer_update(
     )
     grad_norm = optax.tree.norm(grads)
     schedule = make_schedule(
-        flags.schedule, flags.warmup_steps, flags.total_updates, flags.min_lr_ratio
+        flags.schedule,
+        flags.warmup_steps,
+        flags.total_updates,
+        flags.min_lr_ratio,
+        flags.warmup_start_ratio,
     )
     opt_state = set_hyperparams(state.opt_state, hparams.optimizer)
     updates, opt_state = tx.update(grads, opt_state, state.params)

@@ -53,7 +53,7 @@ from jgrpo.rollout import (
 )
 from jgrpo.rollout.exchange import exchange_rows
 from jgrpo.rollout.results import batch_stats
-from jgrpo.tasks import make_task
+from jgrpo.tasks import run_task
 from jgrpo.tasks.child import forget_reports
 
 log = logging.getLogger("jgrpo")
@@ -128,9 +128,7 @@ def setup(cfg: Config, run_dir: Path, resume: bool, datasets: dict | None = None
     check_run(cfg)
     compile_cache.enable()
     # ConfigError before the model loads
-    task = make_task(
-        cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None, **(datasets or {})
-    )
+    task = run_task(cfg, **(datasets or {}))
     run_dir.mkdir(parents=True, exist_ok=True)
     if distributed.is_primary():
         write_run_config(run_dir, cfg)

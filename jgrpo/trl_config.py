@@ -82,6 +82,12 @@ _SCHEDULES = {
 }
 
 
+def _warmup(given: dict) -> dict[str, Any]:
+    """Hugging Face's schedulers warm up from 0 (update k of W at k/W of the peak): so does the
+    mapped run (optim.warmup_start_ratio 0), whenever it warms up."""
+    return {"optim.warmup_start_ratio": 0.0} if given.get("warmup_steps") else {}
+
+
 def check_names(kind: str, given: dict, supported, unsupported: dict, doc: str) -> None:
     """ConfigError naming the first argument of `given` that `kind` (GRPOConfig / SFTConfig)
     does not take: one of `unsupported` (with its reason) or not among `supported`."""
@@ -226,6 +232,7 @@ def jgrpo_keys(args: GRPOConfig, base: dict) -> dict[str, Any]:
                 f"must be one of {list(_SCHEDULES)}",
             )
         keys["optim.schedule"] = _SCHEDULES[given["lr_scheduler_type"]]
+    keys |= _warmup(given)
     if "max_grad_norm" in given:
         norm = given["max_grad_norm"]
         keys["optim.max_grad_norm"] = None if norm in (0, None) else norm  # TRL: 0 = off
@@ -393,6 +400,7 @@ def sft_keys(args: SFTConfig) -> dict[str, Any]:
         if given["lr_scheduler_type"] not in _SCHEDULES:
             fail("lr_scheduler_type", f"must be one of {list(_SCHEDULES)}")
         keys["optim.schedule"] = _SCHEDULES[given["lr_scheduler_type"]]
+    keys |= _warmup(given)
     if "max_grad_norm" in given:
         norm = given["max_grad_norm"]
         keys["optim.max_grad_norm"] = None if norm in (0, None) else norm

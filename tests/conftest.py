@@ -198,6 +198,34 @@ def assert_hf_logits(folder, model, ids, atol=1e-4):
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), want, atol=atol, rtol=0)
 
 
+def assert_agent_batch_is_the_trainers(graphdef, params, result, rollout_cfg):
+    """An agent rollout's step batch as the trainer sees it: the trainer's forward reproduces
+    the sampler's recorded logprobs (token_mult_prob_error 1.0000), and each sequence's loss mask
+    is exactly its call's completion ids, in the order of the calls."""
+    import functools
+
+    import jax
+    from flax import nnx
+
+    from jgrpo import step
+
+    batch, ro = result.step_batch(), rollout_cfg
+    forward = jax.jit(
+        functools.partial(step.sequence_logprobs, graphdef, first_scored=ro.prompt_bucket)
+    )
+    lp = np.asarray(
+        forward(nnx.to_pure_dict(params), batch.input_ids, batch.attention_mask, ro.temperature)
+    )
+    m = batch.token_mask > 0
+    error = float(np.mean(np.exp(np.abs(lp[m] - batch.generation_logprobs[m]))))
+    assert error <= 1.001 and round(error, 4) == 1.0, error
+    for i, seq in enumerate(s for r in result.agent_rollouts for s in r.sequences):
+        region = np.asarray(batch.input_ids[i])[-ro.max_new_tokens :][: len(seq.region)]
+        assert region.tolist() == seq.region
+        mask = np.asarray(batch.token_mask[i])[-ro.max_new_tokens :][: len(seq.region)] > 0
+        assert mask.tolist() == seq.generated
+
+
 def importable_modules(tmp_path_factory, sources: dict):
     """Generator for a module fixture: write {module name: source} into a fresh folder, put it
     on sys.path (inherited by child processes) and PYTHONPATH (Ray workers get the driver's),

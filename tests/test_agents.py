@@ -10,7 +10,6 @@ recorded logprob, the loss mask is exactly the model's ids, a rewriting agent's 
 a raising and a hanging agent are counted (heavy: each compiles the sampler)."""
 
 import asyncio
-import functools
 import pathlib
 import textwrap
 import threading
@@ -19,11 +18,10 @@ import jax
 import numpy as np
 import openai
 import pytest
-from conftest import importable_modules
+from conftest import assert_agent_batch_is_the_trainers, importable_modules
 from flax import nnx
 from transformers import AutoTokenizer
 
-from jgrpo import step
 from jgrpo.config import ConfigError, load_config
 from jgrpo.models import from_pretrained
 from jgrpo.models.tiny import build_tiny_model
@@ -436,24 +434,7 @@ def test_agent_rollouts_train_on_exactly_the_sampled_tokens(chat_model, agent_mo
     assert (np.asarray(batch.group_ids)[12:] == -1).all()
     sizes = result.sampler_batch_sizes  # rows of each sampler call: the 20 calls, batched
     assert sum(sizes) == result.stats["agents/calls"] == 20 and max(sizes) > 1
-    ro = cfg.rollout
-    forward = jax.jit(
-        functools.partial(step.sequence_logprobs, graphdef, first_scored=ro.prompt_bucket)
-    )
-    lp = np.asarray(
-        forward(nnx.to_pure_dict(params), batch.input_ids, batch.attention_mask, ro.temperature)
-    )
-    m = batch.token_mask > 0
-    error = float(np.mean(np.exp(np.abs(lp[m] - batch.generation_logprobs[m]))))
-    assert error <= 1.001 and round(error, 4) == 1.0, error
-    # the mask is exactly each call's completion ids, in the order of the calls
-    for i, seq in enumerate(s for r in rollouts for s in r.sequences):
-        row = np.asarray(batch.input_ids[i])
-        region = row[-ro.max_new_tokens :][: len(seq.region)]
-        assert region.tolist() == seq.region
-        assert (
-            np.asarray(batch.token_mask[i])[-ro.max_new_tokens :][: len(seq.region)] > 0
-        ).tolist() == seq.generated
+    assert_agent_batch_is_the_trainers(graphdef, params, result, cfg.rollout)
     owners = [b for b, r in enumerate(rollouts) for _ in r.sequences]
     rewards = np.asarray(batch.rewards)[: len(owners)]
     for b in range(len(rollouts)):  # every sequence of a rollout carries its reward

@@ -444,6 +444,7 @@ HAND = {
         "b2": 0.99,
         "eps": 1e-6,
         "warmup_steps": 1,
+        "warmup_start_ratio": 0.0,
         "schedule": "cosine",
         "max_grad_norm": 0.5,
     },
@@ -516,6 +517,32 @@ def test_each_trl_name_maps_to_its_jgrpo_key(trl, key, value):
 
     cfg = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(**trl)).config
     assert functools.reduce(getattr, key.split("."), cfg) == value
+
+
+@pytest.mark.parametrize("trl_schedule", ["constant_with_warmup", "linear", "cosine"])
+def test_trl_learning_rates_are_transformers_schedulers(trl_schedule):
+    """The learning rate of every update of a TRL-shaped run is the one transformers' own
+    scheduler gives TRL's Trainer (it warms up from 0), read from a torch optimizer it drives."""
+    torch = pytest.importorskip("torch")
+    from transformers import get_scheduler
+
+    from jgrpo import optimizer, step
+
+    args = dict(lr_scheduler_type=trl_schedule, warmup_steps=3, max_steps=10)
+    cfg = jgrpo.GRPOTrainer(reward_funcs=_zero, args=jgrpo.GRPOConfig(**args)).config
+    flags = step.StepFlags.from_config(cfg)
+    schedule = optimizer.make_schedule(
+        flags.schedule, flags.warmup_steps, flags.total_updates, 0.0, flags.warmup_start_ratio
+    )
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    hf = get_scheduler(trl_schedule, sgd, num_warmup_steps=3, num_training_steps=10)
+    expected = []
+    for _ in range(flags.total_updates):
+        expected.append(sgd.param_groups[0]["lr"])  # the rate of this update
+        sgd.step()
+        hf.step()
+    assert flags.total_updates == 10 and expected[0] == 0.0
+    np.testing.assert_allclose([float(schedule(k)) for k in range(10)], expected, atol=1e-7)
 
 
 def test_trl_batch_arithmetic_uses_the_base_config_group_size():

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import TINY_MODEL_FIELDS, make_rollout_batch
 from flax import nnx
@@ -254,7 +255,8 @@ def test_bfloat16_compute_keeps_float32_master_weights_and_logprobs():
 
 
 def test_schedule_values_by_hand():
-    """Warmup from 1/w to 1 over w updates, then decay to 0 at total_updates (hand values)."""
+    """Warmup from 1/w to 1 over w updates (or from optim.warmup_start_ratio), then decay to 0
+    at total_updates (hand values; optax's own schedule for the warmup from 0)."""
     base = load_config(None, ["grpo.max_num_steps=10", "optim.warmup_steps=4"])
     for schedule, expected in {
         "constant": [0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
@@ -270,6 +272,25 @@ def test_schedule_values_by_hand():
         )
         values = [float(multiplier(i)) for i in range(11)]
         np.testing.assert_allclose(values, expected, atol=1e-6, err_msg=schedule)
+        # a warmup from s (optim.warmup_start_ratio): s + (1 - s) k / 4, at the peak from k = 4
+        for start, warm in {0.0: [0.0, 0.25, 0.5, 0.75], 0.2: [0.2, 0.4, 0.6, 0.8]}.items():
+            multiplier = optimizer.make_schedule(
+                flags.schedule, flags.warmup_steps, flags.total_updates, 0.0, start
+            )
+            values = [float(multiplier(i)) for i in range(11)]
+            np.testing.assert_allclose(values, warm + expected[4:], atol=1e-6, err_msg=schedule)
+    # from 0 it is optax's own warmup_cosine_decay_schedule (the demos' warm starts, min ratio 0.1)
+    optax_schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, 4, 10, end_value=0.1)
+    ours = optimizer.make_schedule("cosine", 4, 10, 0.1, 0.0)
+    np.testing.assert_allclose([ours(i) for i in range(12)], [optax_schedule(i) for i in range(12)])
+    for bad in (
+        ["optim.warmup_start_ratio=0.5"],
+        ["optim.warmup_steps=4", "optim.warmup_start_ratio=2"],
+    ):
+        with pytest.raises(
+            ConfigError, match=r"^optim.warmup_start_ratio: must lie in \[0, 1\] with"
+        ):
+            load_config(None, bad)
 
 
 @pytest.mark.parametrize("remat", [pytest.param("none", marks=pytest.mark.heavy), "full"])

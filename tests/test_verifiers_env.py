@@ -10,18 +10,16 @@ with a real tiny model and the episodes in the contained child: the trainer's fo
 reproduces every recorded logprob, the loss mask, the components as reward/<name>/mean."""
 
 import asyncio
-import functools
 import threading
 
 import jax
 import numpy as np
 import openai
 import pytest
-from conftest import importable_modules
+from conftest import assert_agent_batch_is_the_trainers, importable_modules
 from flax import nnx
 from test_agents import SETTINGS, Script, expected_logprobs
 
-from jgrpo import step
 from jgrpo.config import ConfigError, load_config
 from jgrpo.models import from_pretrained
 from jgrpo.rollout import build_engine
@@ -314,21 +312,7 @@ def test_verifiers_rollouts_train_on_exactly_the_sampled_tokens(tasksets, chat_m
     terms = np.asarray(result.batch["reward_terms"])
     real = np.asarray(batch.group_ids) >= 0
     np.testing.assert_allclose(np.asarray(batch.rewards)[real], terms[real].sum(1), rtol=1e-6)
-    ro = cfg.rollout
-    forward = jax.jit(
-        functools.partial(step.sequence_logprobs, graphdef, first_scored=ro.prompt_bucket)
-    )
-    lp = np.asarray(
-        forward(nnx.to_pure_dict(params), batch.input_ids, batch.attention_mask, ro.temperature)
-    )
-    m = batch.token_mask > 0
-    error = float(np.mean(np.exp(np.abs(lp[m] - batch.generation_logprobs[m]))))
-    assert error <= 1.001 and round(error, 4) == 1.0, error
-    for i, seq in enumerate(s for r in result.agent_rollouts for s in r.sequences):
-        region = np.asarray(batch.input_ids[i])[-ro.max_new_tokens :][: len(seq.region)]
-        assert region.tolist() == seq.region
-        mask = np.asarray(batch.token_mask[i])[-ro.max_new_tokens :][: len(seq.region)] > 0
-        assert mask.tolist() == seq.generated
+    assert_agent_batch_is_the_trainers(graphdef, params, result, cfg.rollout)
 
 
 @pytest.mark.heavy

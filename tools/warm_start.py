@@ -38,8 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-FORMAT_VERSION = 2
-"""Bump when this script's output for the same settings changes (2: trained by `jgrpo sft`)."""
+FORMAT_VERSION = 3
+"""Bump when this script's output for the same settings changes (2: trained by `jgrpo sft`;
+3: its warmup starts at 0, `warmup_start`)."""
 DIRECT_ANSWER = "The answer is {answer}."
 """A direct answer's text (`--direct-fraction`): its first token differs from a tool call's and
 is the same for every question, so choosing to answer rather than call the tool is one token's
@@ -76,8 +77,13 @@ class Settings:
     learning_rate: float = 3e-3
     """Peak AdamW learning rate (linear warmup, cosine decay to 10%)."""
     warmup_steps: int = 50
-    """Linear warmup steps W (jgrpo's schedule: update k < W uses (k+1)/W of the peak; the loop
-    before `jgrpo sft` used k/W, docs/performance.md "The warm starts by `jgrpo sft`")."""
+    """Linear warmup steps W."""
+    warmup_start: float | None = 0.0
+    """optim.warmup_start_ratio of the SFT: update k < W uses warmup_start + (1 - warmup_start)
+    k/W of the peak; None (`--warmup-start none`) jgrpo's (k+1)/W. 0 is optax's warmup, the one
+    `make demo`'s and `make demo-tools`' warm starts were tuned with (the loop before `jgrpo sft`):
+    with it `jgrpo sft` writes that loop's weights byte for byte (docs/performance.md, "The warm
+    starts by `jgrpo sft`"). `make distill`'s student was tuned with None."""
     direct_fraction: float = 0.0
     """Chat tasks with tools: the fraction of SFT conversations in which the assistant answers at
     once, without calling a tool (the rest are the task's ideal tool conversation). Drawn per
@@ -97,6 +103,10 @@ class Settings:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _ratio_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -107,9 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if f.name in ("data", "format_version"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        ap.add_argument(
-            flag, type=type(f.default), default=f.default, help=f"(default {f.default})"
-        )
+        kind = _ratio_or_none if f.name == "warmup_start" else type(f.default)
+        ap.add_argument(flag, type=kind, default=f.default, help=f"(default {f.default})")
     ap.add_argument("--force", action="store_true", help="rebuild even if the cache matches")
     ap.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy")
     return ap.parse_args(argv)
@@ -180,6 +189,7 @@ def sft_config(settings: Settings, cfg, base: Path, records: Path, length: int) 
             "schedule": "cosine",
             "min_lr_ratio": 0.1,
             "warmup_steps": s.warmup_steps,
+            "warmup_start_ratio": s.warmup_start,
             "weight_decay": s.weight_decay,
             "max_grad_norm": 1.0,
         },

@@ -329,6 +329,12 @@ def check_optim(opt: OptimConfig) -> None:
         0 <= opt.min_lr_ratio <= 1,
         f"optim.min_lr_ratio: must lie in [0, 1], got {opt.min_lr_ratio}",
     )
+    start = opt.warmup_start_ratio
+    _require(
+        start is None or (0 <= start <= 1 and opt.warmup_steps > 0),
+        f"optim.warmup_start_ratio: must lie in [0, 1] with optim.warmup_steps > 0, got {start}"
+        f" with warmup_steps {opt.warmup_steps}",
+    )
     _require(
         opt.max_grad_norm is None or opt.max_grad_norm > 0,
         "optim.max_grad_norm: must be > 0 (or null)",

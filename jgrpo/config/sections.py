@@ -347,6 +347,8 @@ class OptimConfig:
     """Decay after warmup, over grpo.max_num_steps * grpo.num_minibatches updates."""
     warmup_steps: int = 0
     """Linear warmup updates."""
+    warmup_start_ratio: Optional[float] = None
+    """Warmup starts at this fraction of the peak (0: HF, optax); None: update k at (k+1)/W."""
     min_lr_ratio: float = 0.0
     """Where linear and cosine decay end: this fraction of the peak learning rate (0 = 0)."""
     weight_decay: float = 0.0

@@ -432,12 +432,10 @@ def build_engine(cfg: Config, model_folder) -> tuple[RolloutEngine, Any]:
     is built without its data (the trainer owns it); reward models load on this process."""
     from jgrpo.models import policy_config
     from jgrpo.models.reward_model import load_reward_models
-    from jgrpo.tasks import make_task
+    from jgrpo.tasks import run_task
 
     model_cfg = policy_config(cfg.model, model_folder)
-    task = make_task(
-        cfg.data, cfg.grpo.seed, load_data=False, distilled=cfg.distillation.teacher is not None
-    )
+    task = run_task(cfg, load_data=False)
     task.attach_reward_models(load_reward_models(cfg))
     engine = RolloutEngine(cfg, model_cfg, load_tokenizer(model_folder), task)
     return engine, model_graphdef(model_cfg)

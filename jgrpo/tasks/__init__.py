@@ -16,7 +16,7 @@ countdown `numbers` and `target`, task `prompts` `row` (the record). Bare prompt
 from jgrpo.tasks.child import UserCodeError
 from jgrpo.tasks.data import Example, RecordStream, Rows, SyntheticStream, load_table, read_records
 from jgrpo.tasks.rewards import RewardRunner, import_reward_function
-from jgrpo.tasks.task import Task, make_task
+from jgrpo.tasks.task import Task, make_task, run_task
 from jgrpo.tasks.verify import (
     evaluate_expression,
     extract_answer,
@@ -41,6 +41,7 @@ __all__ = [
     "import_reward_function",
     "load_table",
     "make_task",
+    "run_task",
     "numbers_equal",
     "parse_number",
     "read_records",

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jgrpo.config import ConfigError, DataConfig
+from jgrpo.config import Config, ConfigError, DataConfig
 from jgrpo.tasks.agents import AgentRunner
 from jgrpo.tasks.arithmetic import ArithmeticTask
 from jgrpo.tasks.calculator import CalculatorTask
@@ -586,3 +586,11 @@ def make_task(data_cfg: DataConfig, seed: int, **options: Any) -> Task:
     run has a distillation.teacher, so a task without a verifier needs no reward function.
     """
     return Task(data_cfg, seed, **options)
+
+
+def run_task(cfg: Config, **options: Any) -> Task:
+    """The task of the GRPO run `cfg`: `make_task` on its data and seed, `distilled` when it has
+    a distillation.teacher (the one place that decides it). `options` as for make_task."""
+    return make_task(
+        cfg.data, cfg.grpo.seed, distilled=cfg.distillation.teacher is not None, **options
+    )
