@@ -156,13 +156,16 @@ class ExpertParallel(NamedTuple):
     The experts are split over `axis` (fsdp), which also splits the batch rows. Inside a
     `shard_map` each device gathers the tokens (and their routing) of its `axis` group, runs
     its own E / |axis| experts on the pairs routed to them, and reduce-scatters the outputs
-    back to the devices that own the tokens; the other batch axis (data) is never gathered."""
+    back to the devices that own the tokens; the other batch axis (data) is never gathered,
+    nor `context` (with mesh.context > 1 each device exchanges its own slice of the rows'
+    tokens: the block is per token)."""
 
     mesh: Mesh
     axis: str
     """The mesh axis the experts and the token exchange run over."""
     tokens: PartitionSpec
-    """Per-token arrays [b, t, ...]: rows over data x fsdp."""
+    """Per-token arrays [b, t, ...]: rows over data x fsdp, tokens over context (when
+    mesh.context > 1: the permuted rows of `ContextParallel`)."""
     w_in: PartitionSpec
     """expert_gate / expert_up of one layer [e, d, f], as stored."""
     w_out: PartitionSpec
@@ -184,7 +187,8 @@ def expert_parallel(mesh: Mesh, rules) -> Optional[ExpertParallel]:
     partial = tuple(a for a in MESH_AXES if a != axis and a in (w_in[2], w_out[1]))
     if w_in[1] is not None or w_out[2] is not None:
         raise ConfigError("mesh.rules: expert parallelism needs the experts' `embed` dim whole")
-    return ExpertParallel(mesh, axis, batch_sharding(mesh, 3).spec, w_in, w_out, partial)
+    tokens = PartitionSpec(BATCH_AXES, "context" if mesh.shape.get("context", 1) > 1 else None)
+    return ExpertParallel(mesh, axis, tokens, w_in, w_out, partial)
 
 
 class ContextParallel(NamedTuple):

@@ -37,14 +37,12 @@ def check_batch_split(cfg: Config, num_devices: int) -> None:
     check_context(cfg)
 
 
-def check_context(cfg: Config, moe: bool = False) -> None:
+def check_context(cfg: Config) -> None:
     """mesh.context > 1: every row (or packed row) splits into 2 x context chunks of whole
-    attention blocks, each device's tokens into whole logprob chunks; dense models only."""
+    attention blocks, each device's tokens into whole logprob chunks."""
     c = cfg.mesh.context
     if c == 1:
         return
-    if moe:
-        raise ConfigError("mesh.context: MoE models do not split rows over context; use 1")
     ro = cfg.rollout
     t = (
         cfg.grpo.sequence_packing and cfg.grpo.packing_budget
@@ -117,27 +115,25 @@ def constrained_graphdef(
     small). Likewise the head's gradient: unpinned, each chunk's [d, V] float32 gradient and
     its accumulator stayed whole on every device.
     An MoE model also gets `expert_parallel` (`sharding.ExpertParallel` or None): its blocks
-    then run their experts split over the mesh (models/moe_parallel.py); a dense one
+    then run their experts split over the mesh (models/moe_parallel.py); every model gets
     `context` (`sharding.ContextParallel` or None: rows split over context, models/context.py).
     `model` itself is left as it was (the sampler's graph stays unconstrained: its batches
     need not divide, and its MoE blocks run every expert)."""
     moe = isinstance(model, MoETransformer)
     before = model.activation_sharding, model.logit_shardings
     before_ep = model.expert_parallel if moe else None
-    before_cp = None if moe else model.context_parallel
+    before_cp = model.context_parallel
     model.activation_sharding, model.logit_shardings = activation_sharding, logit_shardings
+    model.context_parallel = context
     if moe:
         model.expert_parallel = expert_parallel
-    else:
-        model.context_parallel = context
     try:
         return nnx.graphdef(model)
     finally:
         model.activation_sharding, model.logit_shardings = before
+        model.context_parallel = before_cp
         if moe:
             model.expert_parallel = before_ep
-        else:
-            model.context_parallel = before_cp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -252,7 +248,7 @@ def build_step(
     teacher (concrete or abstract, as `model`), required iff distillation.teacher is set."""
     mesh = sharding.make_mesh(cfg.mesh) if mesh is None else mesh
     _check_rows_split(cfg, mesh.shape["data"] * mesh.shape["fsdp"])
-    check_context(cfg, isinstance(model, MoETransformer))
+    check_context(cfg)
     rules = sharding.make_rules(cfg.mesh)
     frozen = None
     if (cfg.model.lora.rank > 0) != (model.cfg.lora is not None):

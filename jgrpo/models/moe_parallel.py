@@ -5,7 +5,8 @@ the dropless expert function `experts` (moe.experts_grouped | moe.experts_dense)
 `jax.shard_map` over `ep.mesh` (`sharding.ExpertParallel`: the specs and axes come from there;
 this module names no mesh axis). Per device, with n = |ep.axis| and E / n local experts:
 
-1. all-gather the tokens x, their expert ids and gates over ep.axis (the n devices' rows);
+1. all-gather the tokens x, their expert ids and gates over ep.axis (the n devices' rows;
+   under mesh.context > 1 the rows' tokens stay split over context: per-token work);
 2. run the local experts on the (token, choice) pairs routed to them: other pairs get the
    out-of-range id E / n (dropped by the dense path's scatter, left in no group by the
    grouped path's ragged_dot) and gate 0;

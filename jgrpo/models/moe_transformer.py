@@ -9,8 +9,9 @@ experts expert_gate/expert_up [l_moe, e, d, f], expert_down [l_moe, e, f, d], sh
 of consecutive same-kind layers are one `lax.scan` each. Partial rotary (GLM): RoPE turns the
 first `rotary_dim` dims of a head. Router replay: `token_logprobs_routed(..., expert_ids=)`
 returns (logprobs, MoEOutput: expert ids [l_moe, b, t, k] + RouterStats) and replays given ids;
-`prefill_routed` / `decode_step_routed` also return the ids of the tokens they feed.
-Legend as transformer.py."""
+`prefill_routed` / `decode_step_routed` also return the ids of the tokens they feed. Context
+parallelism (models/context.py): the dense attention path; ids in and out are permuted with
+the tokens, the router stats are sums over every token. Legend as transformer.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jgrpo.models import context as _context
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
 from jgrpo.models import moe as moe_lib
@@ -113,6 +115,11 @@ def _mlp(
     return x_btd + y_btd, routing
 
 
+def _layer_major_permuted(x_lbt, c: int, permute):
+    """[l, b, t, ...] with `permute` (context.zigzag | unzigzag) applied to its rows."""
+    return jnp.moveaxis(permute(jnp.moveaxis(x_lbt, 0, 2), c), 2, 0)
+
+
 class MoETransformer(Transformer):
     """Decoder-only MoE LM (see module docstring)."""
 
@@ -121,7 +128,7 @@ class MoETransformer(Transformer):
         self.cfg = cfg
         self.activation_sharding = None  # as Transformer's (jgrpo.step_setup sets them)
         self.logit_shardings = None
-        self.context_parallel = None  # dense models only (step_setup.check_context)
+        self.context_parallel = None  # as Transformer's (models/context.py)
         # the trainer's sharding.ExpertParallel (static in the graph def like the above; set by
         # step_setup.constrained_graphdef): None = every expert on every device (the sampler)
         self.expert_parallel = None
@@ -206,12 +213,21 @@ class MoETransformer(Transformer):
         return RowMask(mask_bt, segments), rope
 
     def _run_layers(
-        self, x_btd, mask, rope, counted_bt, use_lora=True, expert_ids=None, replay=True
+        self,
+        x_btd,
+        mask,
+        rope,
+        counted_bt,
+        use_lora=True,
+        expert_ids=None,
+        replay=True,
+        context=False,
     ):
         """Every layer on x_btd -> (x_btd, per-layer (k, v) [l, b, t, k, h] each, MoEOutput or
         None). `counted_bt`: the tokens the router stats count. `expert_ids` [l_moe, b, t, k]
         (-1 rows: not recorded): recorded routing, replayed when `replay`, and compared with
-        the router's own choice either way (MoEOutput.mismatch)."""
+        the router's own choice either way (MoEOutput.mismatch). `context`: permuted rows split
+        over `self.context_parallel` (attention by `context.attention`)."""
         cfg, spec = self.cfg, self.cfg.moe
         path = resolve_kernels(cfg.kernels)
         attn_stack = self._layer_params(use_lora)
@@ -224,7 +240,11 @@ class MoETransformer(Transformer):
                 p, m = cast_floats(p, cfg.jnp_dtype), cast_floats(m, cfg.jnp_dtype)
                 x_btd = self._constrain(x_btd)
                 q, k, v = _qkv(p, cfg, x_btd, rope)
-                attn_btnh = attention(q, k, v, mask, cfg)
+                if context:
+                    cp, block = self.context_parallel, cfg.attention_block_size
+                    attn_btnh = _context.attention(q, k, v, mask, cp, block)
+                else:
+                    attn_btnh = attention(q, k, v, mask, cfg)
                 x_btd, routing = _mlp(
                     p,
                     m,
@@ -270,13 +290,24 @@ class MoETransformer(Transformer):
     # ------------------------------------------------------------------------- forward
 
     def _hidden(
-        self, input_ids_bt, positions_bt=None, attention_mask_bt=None, use_lora=True, segments=None
+        self,
+        input_ids_bt,
+        positions_bt=None,
+        attention_mask_bt=None,
+        use_lora=True,
+        segments=None,
+        context=False,
     ):
-        """As Transformer's; routing in/out through `token_logprobs_routed`'s hand-over."""
+        """As Transformer's; routing in/out through `token_logprobs_routed`'s hand-over (under
+        `context` the rows are permuted, `context.zigzag`: recorded ids are permuted on the way
+        in, the chosen ids and mismatch counts put back in row order on the way out)."""
         cfg = self.cfg
         b, t = input_ids_bt.shape
         if segments is None:
-            mask, rope = self._attention_inputs(input_ids_bt, positions_bt, attention_mask_bt)
+            below = t if context else None
+            mask, rope = self._attention_inputs(
+                input_ids_bt, positions_bt, attention_mask_bt, below
+            )
             counted_bt = (
                 jnp.ones((b, t), jnp.bool_) if attention_mask_bt is None else attention_mask_bt
             )
@@ -290,9 +321,17 @@ class MoETransformer(Transformer):
         hand_over = self.__dict__.get("_routing_hand_over")
         ids_in = None if hand_over is None else hand_over.get("expert_ids")
         replay = hand_over is None or hand_over.get("replay", True)
+        c = self.context_parallel.size if context else 1
+        if ids_in is not None and context:
+            ids_in = _layer_major_permuted(ids_in, c, _context.zigzag)
         x_btd, _, routed = self._run_layers(
-            self._constrain(x_btd), mask, rope, counted_bt, use_lora, ids_in, replay
+            self._constrain(x_btd), mask, rope, counted_bt, use_lora, ids_in, replay, context
         )
+        if routed is not None and context:
+            back = _layer_major_permuted(routed.expert_ids, c, _context.unzigzag)
+            mismatch = routed.mismatch
+            mismatch = None if mismatch is None else _context.unzigzag(mismatch, c)
+            routed = routed._replace(expert_ids=back, mismatch=mismatch)
         if hand_over is not None:
             hand_over["out"] = routed
         return x_btd
