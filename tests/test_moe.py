@@ -369,7 +369,7 @@ def test_router_replay_keeps_gates_differentiable():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_replay))
     other = (ids + 1) % 4
     _, r_other = moe_lib.moe_mlp(p, x, spec, "cpu", other)
-    np.testing.assert_array_equal(np.asarray(r_other.expert_ids_tk), np.asarray(other[0]))
+    np.testing.assert_array_equal(np.asarray(r_other.expert_ids_tk), np.asarray(other))
 
     def loss(router):
         return jnp.sum(moe_lib.moe_mlp({**p, "router": router}, x, spec, "cpu", other)[0] ** 2)

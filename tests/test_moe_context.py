@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from conftest import TINY_MODEL_FIELDS
 from flax import nnx
-from test_context_parallel import assert_same, padded_rows, scored
+from test_context_parallel import KL, SPLIT, assert_same, padded_rows, scored
 from test_packing import BASE, batch_math, host_batch
+from test_router_replay import rollout, run_step
 
 from jgrpo import sharding, step_setup
 from jgrpo.batch import TrainBatch
 from jgrpo.config import MeshConfig, load_config
+from jgrpo.models import from_pretrained
 from jgrpo.models import moe as moe_lib
 from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 
@@ -83,3 +85,71 @@ def test_split_moe_rows_give_the_unsplit_forward_and_replay():
     assert np.abs(g0["moe"]["router"]).max() > 1e-3
     assert max(np.abs(g).max() for g in jax.tree.leaves(g0)) > 1e-3
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g1, g0)
+
+
+# ----------------------------------------------------------------------------- the step
+
+ROUTER = ["model.moe.router_aux_loss_coef=0.05", "model.moe.router_z_loss_coef=0.01"]
+
+
+def moe_step_math(packed, mesh_shape=(1, 1, 1, 1)):
+    """test_packing.step_math on the 2-layer tiny MoE: (first minibatch's gradients, metrics)."""
+    data, fsdp, context, tensor = mesh_shape
+    split = SPLIT if context > 1 else []
+    overrides = [*BASE, *KL, *ROUTER, *split, f"grpo.sequence_packing={packed}"]
+    cfg = load_config(None, overrides)
+    mesh_cfg = MeshConfig(data=data, fsdp=fsdp, context=context, tensor=tensor)
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[: data * fsdp * context * tensor])
+    fields = dict(attention_block_size=3, logprob_chunk_size=3) if context > 1 else {}
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), tiny_moe(seed=0, **fields), mesh=mesh)
+    ref = jax.tree.map(lambda x: x * 0.9, built.state.params)
+    return batch_math(built, TrainBatch(**host_batch(0)), ref)
+
+
+MESHES = [(1, 1, 2, 1), (2, 2, 2, 1), (1, 2, 4, 1), (1, 2, 2, 2), (1, 4, 2, 1)]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_moe_context_meshes_agree(shape, packed):
+    """The MoE step with rows split over context (experts over fsdp where it is > 1, their
+    width over tensor) = the 1-device step: every metric (the moe/ ones: router losses over
+    all the batch's tokens) and every gradient, the router's nonzero."""
+    grads, metrics = whole = moe_step_math(packed)
+    assert metrics["moe/aux_loss"] > 0 and metrics["moe/z_loss"] > 0
+    assert np.abs(grads["moe"]["router"]).max() > 1e-4
+    assert_same(moe_step_math(packed, shape), whole)
+
+
+@pytest.fixture(scope="module")
+def sampler_moe(tmp_path_factory):
+    from jgrpo.models.tiny import build_tiny_moe_model
+
+    return from_pretrained(build_tiny_moe_model(tmp_path_factory.mktemp("moe") / "tiny"))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("flag", ["router_replay", "record_routing"])
+def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag):
+    """A sampler's rollout with its recorded experts, a third of them replaced by others: the
+    step on data 2 x fsdp 2 x context 2 gives the data-8 step's metrics (moe/routing_mismatch
+    strictly between 0 and 1) and gradients, replaying the ids or only comparing them."""
+    _, batch = rollout(sampler_moe)
+
+    def shift(ids):
+        moved = (np.arange(ids.shape[1]) % 3 == 0)[None, :, None, None] & (ids >= 0)
+        return np.where(moved, (ids + 1) % 8, ids).astype(np.int16)
+
+    on = [f"model.moe.{flag}=true", "model.attention_block_size=2", "model.logprob_chunk_size=4"]
+    whole, grads, _ = run_step(sampler_moe, batch, on, shift)
+    mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2"]
+    split, grads_s, built = run_step(sampler_moe, batch, [*on, *mesh], shift)
+    assert built.graphdef is not None and built.mesh.shape["context"] == 2
+    assert 0 < float(whole["moe/routing_mismatch"]) < 1
+    assert set(split) == set(whole)
+    for key, value in whole.items():
+        np.testing.assert_allclose(split[key], value, rtol=1e-5, atol=1e-5, err_msg=key)
+    assert np.abs(np.asarray(grads["moe"]["router"])).max() > 1e-4
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
+    jax.tree.map(close, grads_s, grads)

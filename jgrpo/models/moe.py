@@ -10,8 +10,10 @@ Dropless (no capacity) experts, two paths behind the kernel switch (`EXPERT_PATH
 `dense` runs every expert on every token, mixed by a [t, e] gate matrix.
 Router replay: `route(..., expert_ids_tk=ids)` takes a given choice (rows of -1: the router's
 own) and computes its gates from the current router (differentiable); `routing_mismatch`
-counts the tokens whose own choice differs from a recorded one. Legend: t tokens, d model,
-f expert mlp, e experts, k chosen per token, l layers."""
+counts the tokens whose own choice differs from a recorded one. Routing and stats keep the
+tokens' leading dims ([b, t] in the model: never merged, so rows split over the mesh's
+context axis stay split). Legend: t tokens (any leading dims), d model, f expert mlp,
+e experts, k chosen per token, l layers."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ class Routing(NamedTuple):
     """One MoE layer's routing of t tokens."""
 
     expert_ids_tk: jax.Array
-    """int32 [t, k] chosen experts."""
+    """int32 [t, k] chosen experts (t: the tokens' leading dims, as given)."""
     gates_tk: jax.Array
     """float32 [t, k] their mixing weights (differentiable in the router)."""
     probs_te: jax.Array
@@ -97,15 +99,15 @@ class RouterStats(NamedTuple):
 
 
 def route(x_td, router_de, bias_e, spec: MoESpec, expert_ids_tk=None) -> Routing:
-    """The router of `spec` on tokens x_td -> Routing. `expert_ids_tk` replays a given choice:
-    rows whose first id is -1 (not recorded) take the router's own."""
+    """The router of `spec` on tokens x_td ([..., d]) -> Routing. `expert_ids_tk` replays a
+    given choice: tokens whose first id is -1 (not recorded) take the router's own."""
     logits_te = jnp.dot(
         x_td.astype(jnp.float32), router_de.astype(jnp.float32), precision="highest"
     )
     k = spec.top_k
     if spec.router == "softmax":
         probs_te = jax.nn.softmax(logits_te, axis=-1)
-        _, chosen_tk = jax.lax.top_k(probs_te, k)
+        chosen_tk = top_k_ids(probs_te, k)
         ids_tk = _replayed(expert_ids_tk, chosen_tk)
         gates_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
         if spec.norm_topk_prob:
@@ -128,7 +130,7 @@ def _replayed(given_tk, chosen_tk):
     if given_tk is None:
         return chosen_tk
     given_tk = given_tk.astype(jnp.int32)
-    return jnp.where(given_tk[:, :1] >= 0, given_tk, chosen_tk)
+    return jnp.where(given_tk[..., :1] >= 0, given_tk, chosen_tk)
 
 
 RECORDED_ID_DTYPE = jnp.int16
@@ -146,34 +148,46 @@ def routing_mismatch(chosen_tk, recorded_tk):
     the recorded one (order ignored)."""
     recorded_tk = recorded_tk.astype(jnp.int32)
     differ = jnp.any(jnp.sort(chosen_tk, axis=-1) != jnp.sort(recorded_tk, axis=-1), axis=-1)
-    return differ & (recorded_tk[:, 0] >= 0)
+    return differ & (recorded_tk[..., 0] >= 0)
 
 
 def _grouped_top_k(choice_te, spec: MoESpec):
     """Top-k experts of `choice_te` among the `topk_groups` groups whose two best scores sum
     highest (DeepSeek-V3's group-limited routing); the choice carries no gradient."""
     choice_te = jax.lax.stop_gradient(choice_te)
-    t, e = choice_te.shape
+    *lead, e = choice_te.shape
     g = spec.num_groups
     if g > 1 and spec.topk_groups < g:
-        top2_tg2, _ = jax.lax.top_k(choice_te.reshape(t, g, e // g), 2)
-        _, groups_tj = jax.lax.top_k(jnp.sum(top2_tg2, axis=-1), spec.topk_groups)
-        kept_tg = jnp.zeros((t, g), jnp.bool_).at[jnp.arange(t)[:, None], groups_tj].set(True)
-        kept_te = jnp.repeat(kept_tg, e // g, axis=1)
+        choice_tgn = choice_te.reshape(*lead, g, e // g)
+        top2_tg2 = jnp.take_along_axis(choice_tgn, top_k_ids(choice_tgn, 2), axis=-1)
+        groups_tj = top_k_ids(jnp.sum(top2_tg2, axis=-1), spec.topk_groups)
+        kept_tg = jnp.any(groups_tj[..., None] == jnp.arange(g), axis=-2)
+        kept_te = jnp.repeat(kept_tg, e // g, axis=-1)
         choice_te = jnp.where(kept_te, choice_te, -jnp.inf)
-    _, ids_tk = jax.lax.top_k(choice_te, spec.top_k)
-    return ids_tk
+    return top_k_ids(choice_te, spec.top_k)
+
+
+def top_k_ids(x_tn, k: int):
+    """int32 [..., k]: `jax.lax.top_k(x_tn, k)`'s indices (descending, the lower index first
+    among equals), as k argmax passes over the last dim. XLA's SPMD partitioner keeps those
+    on each device's tokens, where its top_k gathers every device's tokens first (rows split
+    over data x fsdp x context). Needs k finite entries per token (-inf ones are never
+    picked while a finite one is left; routers have them)."""
+    n = x_tn.shape[-1]
+    ids = []
+    for _ in range(k):
+        i_t = jnp.argmax(x_tn, axis=-1)
+        ids.append(i_t)
+        x_tn = jnp.where(jnp.arange(n) == i_t[..., None], -jnp.inf, x_tn)
+    return jnp.stack(ids, axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- experts
 
 
 def swiglu(x, gate_df, up_df, down_fd):
-    """down(silu(x gate) * up(x)): one dense SwiGLU MLP (the shared experts)."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    h = jax.nn.silu(jnp.dot(x2, gate_df)) * jnp.dot(x2, up_df)
-    return jnp.dot(h, down_fd).reshape(*lead, -1)
+    """down(silu(x gate) * up(x)): one dense SwiGLU MLP (the shared experts) on x [..., d]."""
+    return jnp.dot(jax.nn.silu(jnp.dot(x, gate_df)) * jnp.dot(x, up_df), down_fd)
 
 
 def experts_grouped(x_td, ids_tk, gates_tk, gate_edf, up_edf, down_efd):
@@ -212,40 +226,40 @@ def moe_mlp(p: dict, x_btd, spec: MoESpec, path: str, expert_ids_btk=None, paral
     """The MoE block on x_btd with one layer's params `p` (router [d, e], router_bias [e] for
     the sigmoid router, expert_gate / expert_up [e, d, f], expert_down [e, f, d], shared_gate /
     shared_up [d, fs], shared_down [fs, d] when spec.shared_size) -> (y_btd, Routing of the
-    b*t tokens). `path`: the resolved kernel path (EXPERT_PATHS picks the expert code).
+    [b, t] tokens). `path`: the resolved kernel path (EXPERT_PATHS picks the expert code).
     `parallel`: a `sharding.ExpertParallel` (the trainer's mesh): experts split over devices
-    (moe_parallel.experts_sharded); None runs every expert here."""
+    (moe_parallel.experts_sharded, on [b, t] as they are); None runs every expert here, on
+    the b*t tokens flattened."""
     b, t, d = x_btd.shape
-    x_td = x_btd.reshape(b * t, d)
-    ids = None if expert_ids_btk is None else expert_ids_btk.reshape(b * t, -1)
-    routing = route(x_td, p["router"], p.get("router_bias"), spec, ids)
+    routing = route(x_btd, p["router"], p.get("router_bias"), spec, expert_ids_btk)
     experts = experts_grouped if EXPERT_PATHS[path] == "grouped" else experts_dense
     weights = (p["expert_gate"], p["expert_up"], p["expert_down"])
     if parallel is None:
-        y_td = experts(x_td, routing.expert_ids_tk, routing.gates_tk, *weights)
+        ids_tk, gates_tk = (a.reshape(b * t, -1) for a in routing[:2])
+        y_btd = experts(x_btd.reshape(b * t, d), ids_tk, gates_tk, *weights).reshape(b, t, d)
     else:
-        ids_btk, gates_btk = (a.reshape(b, t, -1) for a in routing[:2])
-        y_btd = experts_sharded(parallel, experts, x_btd, ids_btk, gates_btk, *weights)
-        y_td = y_btd.reshape(b * t, d)
+        y_btd = experts_sharded(parallel, experts, x_btd, *routing[:2], *weights)
     if spec.shared_size:
-        y_td = y_td + swiglu(x_td, p["shared_gate"], p["shared_up"], p["shared_down"])
-    return y_td.reshape(b, t, d).astype(x_btd.dtype), routing
+        y_btd = y_btd + swiglu(x_btd, p["shared_gate"], p["shared_up"], p["shared_down"])
+    return y_btd.astype(x_btd.dtype), routing
 
 
 # ----------------------------------------------------------------------------- stats, losses
 
 
 def router_stats(routing: Routing, mask_t, num_experts: int) -> RouterStats:
-    """One layer's RouterStats over the tokens where mask_t (1 = counted)."""
+    """One layer's RouterStats over the tokens where mask_t (1 = counted; the routing's
+    leading dims)."""
     m_t = mask_t.astype(jnp.float32)
-    m_tk = jnp.broadcast_to(m_t[:, None], routing.expert_ids_tk.shape)
+    m_tk = jnp.broadcast_to(m_t[..., None], routing.expert_ids_tk.shape)
     counts_e = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_ids_tk].add(m_tk)
     probs_te = routing.probs_te
+    tokens = tuple(range(probs_te.ndim - 1))
     entropy_t = -jnp.sum(probs_te * jnp.log(jnp.maximum(probs_te, 1e-30)), axis=-1)
     z_t = jax.nn.logsumexp(routing.logits_te, axis=-1) ** 2
     return RouterStats(
         counts_le=counts_e,
-        prob_sum_le=jnp.sum(probs_te * m_t[:, None], axis=0),
+        prob_sum_le=jnp.sum(probs_te * m_t[..., None], axis=tokens),
         z_sum_l=jnp.sum(z_t * m_t),
         entropy_sum_l=jnp.sum(entropy_t * m_t),
         tokens_l=jnp.sum(m_t),

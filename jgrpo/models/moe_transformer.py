@@ -231,7 +231,6 @@ class MoETransformer(Transformer):
         cfg, spec = self.cfg, self.cfg.moe
         path = resolve_kernels(cfg.kernels)
         attn_stack = self._layer_params(use_lora)
-        mask_t = counted_bt.reshape(-1)
         keys, values, ids_out, stats_out, differ_out = [], [], [], [], []
         for sparse, i0, i1, j0 in layer_runs(spec.sparse_layers):
 
@@ -258,13 +257,11 @@ class MoETransformer(Transformer):
                 )
                 out = (k, v)
                 if sparse:
-                    b, t = x_btd.shape[:2]
-                    ids_btk = routing.expert_ids_tk.reshape(b, t, -1)
-                    out += (ids_btk, moe_lib.router_stats(routing, mask_t, spec.num_experts))
+                    stats = moe_lib.router_stats(routing, counted_bt, spec.num_experts)
+                    out += (routing.expert_ids_tk, stats)
                     if ids is not None:
-                        rec_tk = ids.reshape(b * t, -1)
-                        differ = moe_lib.routing_mismatch(routing.chosen_tk, rec_tk)
-                        out += (differ.reshape(b, t).astype(jnp.int32),)
+                        differ = moe_lib.routing_mismatch(routing.chosen_tk, ids)
+                        out += (differ.astype(jnp.int32),)
                 return self._constrain(x_btd), out
 
             if cfg.remat != "none":
@@ -453,6 +450,6 @@ class MoETransformer(Transformer):
             values.append(v_cache)
             x_b1d, routing = _mlp(p, p["mlp"], cfg, x_b1d, out_b1nh, sparse, path)
             if sparse:
-                ids.append(routing.expert_ids_tk)
+                ids.append(routing.expert_ids_tk[:, 0])
         ids_lbk = jnp.stack(ids) if ids else None
         return self._logits(x_b1d, head_dv)[:, 0], KVCache(tuple(keys), tuple(values)), ids_lbk
