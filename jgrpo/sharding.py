@@ -187,7 +187,8 @@ def expert_parallel(mesh: Mesh, rules) -> Optional[ExpertParallel]:
     partial = tuple(a for a in MESH_AXES if a != axis and a in (w_in[2], w_out[1]))
     if w_in[1] is not None or w_out[2] is not None:
         raise ConfigError("mesh.rules: expert parallelism needs the experts' `embed` dim whole")
-    tokens = PartitionSpec(BATCH_AXES, "context" if mesh.shape.get("context", 1) > 1 else None)
+    context = "context" if mesh.shape.get("context", 1) > 1 else None
+    tokens = PartitionSpec(BATCH_AXES, context, None)
     return ExpertParallel(mesh, axis, tokens, w_in, w_out, partial)
 
 

@@ -40,8 +40,9 @@ def routed_forward(fields, ids, mask, recorded, mesh_cfg=None):
     """(logprobs, chosen ids [l, b, t, k], mismatch [b, t], aux, z, gradients of the scored
     mean logprob + aux + z) of one replaying forward, rows whole (mesh_cfg None: one device)
     or split over mesh_cfg's context axis (experts over its fsdp axis)."""
-    model = tiny_moe(1, **fields)
-    graphdef, state = nnx.split(model)
+    model = nnx.eval_shape(lambda: tiny_moe(1, **fields))
+    graphdef = nnx.graphdef(model)
+    state = jax.jit(lambda: nnx.state(tiny_moe(1)))()  # one program, not op by op
     if mesh_cfg is not None:
         n = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.context * mesh_cfg.tensor
         mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
@@ -130,18 +131,24 @@ def sampler_moe(tmp_path_factory):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("flag", ["router_replay", "record_routing"])
-def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag):
+@pytest.mark.parametrize(
+    "flag, packed",
+    [("router_replay", False), ("record_routing", False), ("router_replay", True)],
+    ids=["replay", "record", "replay-packed"],
+)
+def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag, packed):
     """A sampler's rollout with its recorded experts, a third of them replaced by others: the
     step on data 2 x fsdp 2 x context 2 gives the data-8 step's metrics (moe/routing_mismatch
-    strictly between 0 and 1) and gradients, replaying the ids or only comparing them."""
+    strictly between 0 and 1) and gradients, replaying the ids or only comparing them, on
+    rows or packed rows."""
     _, batch = rollout(sampler_moe)
 
     def shift(ids):
         moved = (np.arange(ids.shape[1]) % 3 == 0)[None, :, None, None] & (ids >= 0)
         return np.where(moved, (ids + 1) % 8, ids).astype(np.int16)
 
-    on = [f"model.moe.{flag}=true", "model.attention_block_size=2", "model.logprob_chunk_size=4"]
+    on = [f"model.moe.{flag}=true", f"grpo.sequence_packing={packed}"]
+    on += ["model.attention_block_size=2", "model.logprob_chunk_size=4"]
     whole, grads, _ = run_step(sampler_moe, batch, on, shift)
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2"]
     split, grads_s, built = run_step(sampler_moe, batch, [*on, *mesh], shift)

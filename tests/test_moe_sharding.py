@@ -83,6 +83,7 @@ def test_expert_parallel_only_when_experts_split_over_fsdp():
     assert (got.axis, got.partial_axes) == ("fsdp", ("tensor",))
     assert (got.w_in, got.w_out) == (P("fsdp", None, "tensor"), P("fsdp", "tensor", None))
     assert got.tokens == P(("data", "fsdp"), None, None)
+    assert ep(fsdp=2, context=4).tokens == P(("data", "fsdp"), "context", None)  # rows' tokens
     assert ep(fsdp=8).partial_axes == ()
 
 
