@@ -152,7 +152,7 @@ def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag
     whole, grads, _ = run_step(sampler_moe, batch, on, shift)
     mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.context=2"]
     split, grads_s, built = run_step(sampler_moe, batch, [*on, *mesh], shift)
-    assert built.graphdef is not None and built.mesh.shape["context"] == 2
+    assert built.mesh.shape["context"] == 2 and (built.pack_spec is not None) == packed
     assert 0 < float(whole["moe/routing_mismatch"]) < 1
     assert set(split) == set(whole)
     for key, value in whole.items():

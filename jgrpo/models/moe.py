@@ -10,10 +10,9 @@ Dropless (no capacity) experts, two paths behind the kernel switch (`EXPERT_PATH
 `dense` runs every expert on every token, mixed by a [t, e] gate matrix.
 Router replay: `route(..., expert_ids_tk=ids)` takes a given choice (rows of -1: the router's
 own) and computes its gates from the current router (differentiable); `routing_mismatch`
-counts the tokens whose own choice differs from a recorded one. Routing and stats keep the
-tokens' leading dims ([b, t] in the model: never merged, so rows split over the mesh's
-context axis stay split). Legend: t tokens (any leading dims), d model, f expert mlp,
-e experts, k chosen per token, l layers."""
+counts the tokens whose own choice differs from a recorded one. Routing keeps the tokens'
+[b, t] dims (rows split over context stay split). Legend: t tokens (any leading dims),
+d model, f expert mlp, e experts, k chosen per token, l layers."""
 
 from __future__ import annotations
 
