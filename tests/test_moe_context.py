@@ -3,9 +3,10 @@ rows split over context give the unsplit model's numbers, float32, 8 fake device
 
 make test: one MoE layer, 16-token rows on fsdp 2 (experts split) x context 2, recorded ids
 replayed: logprobs, chosen and mismatched experts per token, router losses and every gradient
-equal the 1-device forward's. Heavy: the whole step (metrics and gradients to 1e-5) on meshes
-mixing context 2/4 with data, fsdp (expert parallelism) and tensor, padded and packed rows;
-router replay and record_routing on a sampler's rollout."""
+equal the 1-device forward's; the routers' top-k is lax.top_k's. Heavy: the whole step
+(metrics and gradients to 1e-5) on meshes mixing context 2/4 with data, fsdp (expert
+parallelism) and tensor, padded and packed rows; router replay and record_routing on a
+sampler's rollout."""
 
 import dataclasses
 
@@ -160,3 +161,13 @@ def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag
     assert np.abs(np.asarray(grads["moe"]["router"])).max() > 1e-4
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # noqa: E731
     jax.tree.map(close, grads_s, grads)
+
+
+def test_top_k_ids_are_lax_top_k():
+    """The routers' top-k by argmax passes (no gather of split tokens) picks lax.top_k's ids
+    in its order, ties (lower index first) and -inf entries included."""
+    x = np.random.RandomState(0).randint(0, 4, (2, 5, 8)).astype(np.float32)
+    x[0, 0, :5] = -np.inf
+    for k in (1, 3):
+        want = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[1])
+        np.testing.assert_array_equal(np.asarray(moe_lib.top_k_ids(jnp.asarray(x), k)), want)
