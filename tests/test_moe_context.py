@@ -25,6 +25,7 @@ from jgrpo.batch import TrainBatch
 from jgrpo.config import MeshConfig, load_config
 from jgrpo.models import from_pretrained
 from jgrpo.models import moe as moe_lib
+from jgrpo.models.adapters import join_lora
 from jgrpo.models.moe_transformer import MoETransformer, MoETransformerConfig
 
 SPEC = moe_lib.MoESpec(num_experts=8, top_k=2, expert_size=16, sparse_layers=(True, True))
@@ -51,6 +52,8 @@ def routed_forward(fields, ids, mask, recorded, mesh_cfg=None):
         cp = sharding.context_parallel(mesh, rules, 4, 2)
         ep = sharding.expert_parallel(mesh, rules)
         graphdef = step_setup.constrained_graphdef(model, cp.activations, None, ep, cp)
+        sampler = join_lora(graphdef, state)  # the trainer's model, as the sampler gets it
+        assert sampler.context_parallel is None and sampler.expert_parallel is None
 
     def total(state):
         lp, out = nnx.merge(graphdef, state).token_logprobs_routed(

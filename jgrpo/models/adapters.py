@@ -67,11 +67,9 @@ def join_lora(graphdef, trainable, frozen=None) -> Transformer:
     the trainer's mesh) are cleared: this model samples or exports on whatever devices its
     arrays are on."""
     model = nnx.merge(graphdef, trainable if frozen is None else frozen | trainable)
-    model.activation_sharding = model.logit_shardings = None
+    model.activation_sharding = model.logit_shardings = model.context_parallel = None
     if isinstance(model, MoETransformer):
         model.expert_parallel = None
-    else:
-        model.context_parallel = None
     return model
 
 
