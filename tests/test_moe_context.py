@@ -9,6 +9,7 @@ parallelism) and tensor, padded and packed rows; router replay and record_routin
 sampler's rollout."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,21 @@ def test_moe_context_meshes_agree(shape, packed):
     assert metrics["moe/aux_loss"] > 0 and metrics["moe/z_loss"] > 0
     assert np.abs(grads["moe"]["router"]).max() > 1e-4
     assert_same(moe_step_math(packed, shape), whole)
+
+
+@pytest.mark.heavy
+def test_routing_gathers_no_tokens():
+    """The compiled step on fsdp 2 x context 4 gathers no router output (XLA's partitioner
+    gathered every device's router probabilities for a top_k, and the activations for a
+    merged b x t reshape of the block): the routing runs on each device's own tokens."""
+    cfg = load_config(None, [*BASE, *KL, *ROUTER, *SPLIT])
+    mesh_cfg = MeshConfig(data=1, fsdp=2, context=4)
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:8])
+    model = tiny_moe(seed=0, attention_block_size=3, logprob_chunk_size=3)
+    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), model, mesh=mesh)
+    text = built.step_fn.lower(*built.abstract_args()).compile().as_text()
+    gathers = [line for line in text.splitlines() if re.search(r"= \S+ all-gather\(", line)]
+    assert gathers and not [g for g in gathers if re.search(r"top_k|argmax|routing", g)]
 
 
 @pytest.fixture(scope="module")
