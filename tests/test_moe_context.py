@@ -6,7 +6,7 @@ replayed: logprobs, chosen and mismatched experts per token, router losses and e
 equal the 1-device forward's; the routers' top-k is lax.top_k's. Heavy: the whole step
 (metrics and gradients to 1e-5) on meshes mixing context 2/4 with data, fsdp (expert
 parallelism) and tensor, padded and packed rows; router replay and record_routing on a
-sampler's rollout."""
+sampler's rollout; the compiled step gathers no router output."""
 
 import dataclasses
 import re
