@@ -10,6 +10,7 @@ sampler's rollout; the compiled step gathers no router output."""
 
 import dataclasses
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,21 @@ def tiny_moe(layers=2, seed=1, **fields) -> MoETransformer:
     return MoETransformer(cfg, rngs=nnx.Rngs(seed), init_scale=0.2)
 
 
+def host_weight(path, x):
+    """A random weight of x's shape drawn on the host (norm weights around 1)."""
+    name = jax.tree_util.keystr(path)
+    w = np.random.RandomState(zlib.crc32(name.encode())).normal(0.0, 0.2, x.shape)
+    w = w + ("norm" in name)
+    return jnp.asarray(w, x.dtype)
+
+
 def routed_forward(fields, ids, mask, recorded, mesh_cfg=None):
     """(logprobs, chosen ids [l, b, t, k], mismatch [b, t], aux, z, gradients of the scored
     mean logprob + aux + z) of one replaying forward, rows whole (mesh_cfg None: one device)
     or split over mesh_cfg's context axis (experts over its fsdp axis)."""
     model = nnx.eval_shape(lambda: tiny_moe(1, **fields))
     graphdef = nnx.graphdef(model)
-    state = jax.jit(lambda: nnx.state(tiny_moe(1)))()  # one program, not op by op
+    state = jax.tree_util.tree_map_with_path(host_weight, nnx.state(model))  # nothing compiles
     if mesh_cfg is not None:
         n = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.context * mesh_cfg.tensor
         mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:n])
@@ -182,6 +191,7 @@ def test_recorded_routing_with_context_equals_the_unsplit_step(sampler_moe, flag
     jax.tree.map(close, grads_s, grads)
 
 
+@pytest.mark.heavy  # make test: test_route_matches_numpy checks the routers' ids
 def test_top_k_ids_are_lax_top_k():
     """The routers' top-k by argmax passes (no gather of split tokens) picks lax.top_k's ids
     in its order, ties (lower index first) and -inf entries included."""
