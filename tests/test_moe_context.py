@@ -3,10 +3,10 @@ rows split over context give the unsplit model's numbers, float32, 8 fake device
 
 make test: one MoE layer, 16-token rows on fsdp 2 (experts split) x context 2, recorded ids
 replayed: logprobs, chosen and mismatched experts per token, router losses and every gradient
-equal the 1-device forward's; the routers' top-k is lax.top_k's. Heavy: the whole step
-(metrics and gradients to 1e-5) on meshes mixing context 2/4 with data, fsdp (expert
-parallelism) and tensor, padded and packed rows; router replay and record_routing on a
-sampler's rollout; the compiled step gathers no router output."""
+equal the 1-device forward's. Heavy: the whole step (metrics and gradients to 1e-5) on meshes
+mixing context 2/4 with data, fsdp (expert parallelism) and tensor, padded and packed rows;
+router replay and record_routing on a sampler's rollout; the compiled step gathers no router
+output; the routers' top-k is lax.top_k's."""
 
 import dataclasses
 import re
