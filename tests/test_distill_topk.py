@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_distill import COEF, build, compiled_step, logprobs64, loss_tokens, step_math
-from test_packing import assert_same, host_batch
+from test_packing import MODEL, assert_same, host_batch
 
-from jgrpo import distillation, step
+from jgrpo import distillation
 from jgrpo.batch import TrainBatch
 from jgrpo.config import ConfigError, load_config
+from jgrpo.models import Transformer
 
 K, W = 5, 0.3
 TOPK = ["distillation.loss=top_k", f"distillation.top_k={K}", f"distillation.mixed_kl_weight={W}"]
@@ -42,12 +43,13 @@ def topk_kl64(teacher_logits, student_logits, k, w):
     return w * fwd + (1 - w) * rev, ids
 
 
-def test_topk_loss_and_gradient_equal_float64_numpy():
+@pytest.mark.heavy  # make test: the float64 KL and the chunked head below (the same math)
+def test_topk_step_and_its_gradient_equal_float64_numpy():
     """Pure distillation (no reward: the advantage 0) under loss top_k: the teacher's top-k
     ids, distill/topk_kl and the loss/total it adds equal float64 NumPy over the loss tokens m
     (multi-turn holes, a masked row and a padding row excluded); the gradient is the policy
-    loss's plus that of the same KL written in plain JAX on full logits, and nonzero; the
-    advantage is left alone and distill/reverse_kl still logged."""
+    loss's (0 here: no reward, no KL penalty) plus that of the same KL written in plain JAX on
+    full logits, and nonzero; the advantage is left alone; distill/reverse_kl still logged."""
     built, model, teacher = build(TOPK)
     host = TrainBatch(**host_batch())
     host = dataclasses.replace(host, rewards=np.zeros_like(host.rewards))
@@ -69,16 +71,9 @@ def test_topk_loss_and_gradient_equal_float64_numpy():
         float(metrics["distill/reverse_kl"]), ((lo - lt) * m).sum() / m.sum(), rtol=1e-5
     )
 
-    hp, flags, graphdef = built.hparams, built.flags, built.graphdef
-    plain = jax.jit(  # the policy loss alone: the same data without the top-k targets
-        lambda p, d: step.accumulate_gradients(p, d, hp, flags=flags, graphdef=graphdef)
-    )(built.state.params, data.replace(teacher_topk=None))
-    np.testing.assert_allclose(
-        float(loss_metrics["loss/total"]) - float(plain[1]["loss/total"]),
-        COEF * want_kl,
-        rtol=1e-5,
-        atol=1e-7,
-    )
+    # no reward, no KL penalty: the policy loss is 0 with no gradient, the loss is the KL's
+    np.testing.assert_allclose(float(loss_metrics["loss/total"]), COEF * want_kl, rtol=1e-5)
+    graphdef = built.graphdef
     t64 = log_softmax64(np.take_along_axis(full(teacher)[:, :-1] / temp, ids, -1))
     t32, ids32, m32 = (jnp.asarray(x, jnp.float32) for x in (t64, ids, m1))
 
@@ -93,9 +88,77 @@ def test_topk_loss_and_gradient_equal_float64_numpy():
         return COEF * jnp.sum(kl * m32) / n_tok
 
     kl_grads = jax.jit(jax.grad(kl_loss))(built.state.params)
-    want = jax.tree.map(jnp.add, plain[0], kl_grads)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(kl_grads)) > 1e-3
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), grads, want)
+    check = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)  # noqa: E731
+    jax.tree.map(check, grads, kl_grads)
+
+
+def test_topk_kl_its_gradient_and_the_chunked_head_equal_float64_numpy():
+    """make test's proof. (1) Hand-built teacher and student logits: add_topk_loss's value and
+    its gradient in the student's logits equal float64 NumPy (closed forms: forward KL's
+    q - t, reverse KL's q (log q - log t - KL), over the top-k ids; 0 elsewhere), nonzero, for
+    forward, reverse and mixed. (2) The model's chunked head (3 chunks, first_scored 5): the
+    teacher's top-k logprobs and ids, and the student's logits / temperature at given ids,
+    equal NumPy over the full [B, T, V] logits."""
+    rng = np.random.RandomState(0)
+    b, t, v, k = 2, 6, 12, 4
+    teacher, student = rng.normal(0, 2, (b, t, v)), rng.normal(0, 2, (b, t, v))
+    mask = (rng.rand(b, t) > 0.3).astype(np.float64)
+    t_full = log_softmax64(teacher)
+    ids = np.argsort(-t_full, axis=-1, kind="stable")[..., :k]
+    lt = log_softmax64(np.take_along_axis(t_full, ids, -1))
+    ls = log_softmax64(np.take_along_axis(student, ids, -1))
+    q, p = np.exp(ls), np.exp(lt)
+    fwd, rev = (p * (lt - ls)).sum(-1), (q * (ls - lt)).sum(-1)
+    g_fwd, g_rev = q - p, q * (ls - lt - rev[..., None])  # d KL / d student logit at the ids
+    n = mask.sum()
+    targets = lambda w: distillation.TopKTargets(  # noqa: E731
+        jnp.asarray(np.take_along_axis(t_full, ids, -1), jnp.float32),
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(w * mask, jnp.float32),
+        jnp.asarray((1 - w) * mask, jnp.float32),
+        jnp.full((b,), COEF, jnp.float32),
+    )
+    for w in (1.0, 0.0, W):
+
+        def loss(s, w=w):
+            out = (jnp.float32(0.0), {"loss/total": jnp.float32(0.0)})
+            picked = jnp.take_along_axis(s, jnp.asarray(ids), -1)
+            return distillation.add_topk_loss(out, picked, targets(w), jnp.float32(n))
+
+        (got, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(student))
+        kl = ((w * fwd + (1 - w) * rev) * mask).sum() / n
+        np.testing.assert_allclose(float(got), COEF * kl, rtol=1e-5)
+        np.testing.assert_allclose(float(metrics["distill/topk_kl"]), kl, rtol=1e-5)
+        want = np.zeros((b, t, v))
+        g = COEF * (w * g_fwd + (1 - w) * g_rev) * mask[..., None] / n
+        np.put_along_axis(want, ids, g, -1)
+        assert np.abs(want).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-7)
+
+    cfg = dataclasses.replace(MODEL, logprob_chunk_size=4)  # 16 scored columns: 4 chunks
+    model = Transformer(cfg, rngs=nnx.Rngs(0), init_scale=0.2)
+    host = TrainBatch(**host_batch())
+    temp, first = 0.9, 8
+    logits = np.asarray(model(host.input_ids, None, host.attention_mask), np.float64)[:, :-1]
+    logits = logits / temp
+    full = log_softmax64(logits)
+    want_ids = np.argsort(-full, axis=-1, kind="stable")[..., :k]
+    run = jax.jit(
+        lambda ids, mask, topk_ids: (
+            model.token_logprobs(ids, mask, temp, first_scored=first, top_k=k),
+            model.token_logprobs(ids, mask, temp, first_scored=first, topk_ids=topk_ids),
+        )
+    )
+    topk_ids = np.pad(want_ids, ((0, 0), (1, 0), (0, 0)))  # by column: t from position t - 1
+    (lp, (top, got_ids)), (lp2, picked) = run(host.input_ids, host.attention_mask, topk_ids)
+    np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp2))
+    np.testing.assert_array_equal(np.asarray(got_ids)[:, first:], want_ids[:, first - 1 :])
+    assert not np.asarray(got_ids)[:, :first].any()
+    want_top = np.take_along_axis(full, want_ids, -1)[:, first - 1 :]
+    np.testing.assert_allclose(np.asarray(top)[:, first:], want_top, rtol=1e-5, atol=1e-5)
+    want_picked = np.take_along_axis(logits, want_ids, -1)[:, first - 1 :]
+    np.testing.assert_allclose(np.asarray(picked)[:, first:], want_picked, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_topk_config_is_one_config_error_naming_the_key():
