@@ -539,8 +539,8 @@ def check_turns(cfg: Config) -> None:
 
 
 def check_distillation(cfg: Config) -> None:
-    """distillation: the teacher's name and a positive finite coef (the teacher's folder and
-    tokenizer are checked before the run starts: `jgrpo.distillation.check_teacher`)."""
+    """distillation: the teacher's name, a positive finite coef, the top-k loss's keys (the
+    teacher's folder, tokenizer and vocab_size: `jgrpo.distillation.check_teacher`)."""
     d = cfg.distillation
     _require(d.top_k >= 1, f"distillation.top_k: must be >= 1, got {d.top_k}")
     _require(

@@ -458,7 +458,8 @@ class LoggingConfig:
 @dataclasses.dataclass(**_FROZEN)
 class DistillationConfig:
     """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
-    policy sampled, and coef x (teacher logprob - policy logprob) joins that token's advantage."""
+    policy sampled, and coef x (teacher logprob - policy logprob) joins that token's advantage
+    (loss sampled_token), or coef x a KL over the teacher's top-k tokens joins the loss."""
 
     teacher: Optional[str] = None
     """HF folder, hub id, `smollm2` or `builtin:...` sharing model.path's tokenizer (None = off)."""
