@@ -468,13 +468,11 @@ class DistillationConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Teacher parameter and compute dtype; auto = model.compute_dtype's resolution."""
     loss: Literal["sampled_token", "top_k"] = "sampled_token"
-    """sampled_token: the term above joins the advantage; top_k: instead coef x KL(teacher,
-    policy) over the teacher's top_k tokens at each position joins the loss (NeMo-RL's)."""
+    """sampled_token: the term above joins the advantage; top_k: coef x a top-k KL the loss."""
     top_k: int = 64
     """loss top_k: k, the teacher's likeliest tokens kept per position (1 <= k <= vocab)."""
     kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
-    """loss top_k: KL(teacher || policy), KL(policy || teacher), or w x forward + (1 - w) x
-    reverse with w = mixed_kl_weight."""
+    """loss top_k: KL(teacher||policy), KL(policy||teacher) or w x forward + (1-w) x reverse."""
     mixed_kl_weight: float = 0.5
     """loss top_k, kl_type mixed: w, the forward KL's weight, in [0, 1]."""
 
