@@ -144,6 +144,6 @@ def frozen_logprobs(
         _, lp_k = scan_chunks(forward, None, chunk_rows((inputs, experts), num_chunks))
     lp = jax.tree.map(unchunk_rows, lp_k)
     if packed:
-        unpack = lambda a: packing.unpack_logprobs(a, layout.row, layout.slot, batch.token_mask)  # noqa: E731
-        lp = jax.tree.map(unpack, lp)
+        where = dict(row_b=layout.row, slot_b=layout.slot, token_mask_bt=batch.token_mask)
+        lp = jax.tree.map(lambda a: packing.unpack_logprobs(a, **where), lp)
     return jax.lax.stop_gradient(lp)

@@ -56,7 +56,10 @@ def test_topk_step_and_its_gradient_equal_float64_numpy():
     data, metrics, grads, loss_metrics = step_math(built, host)
 
     temp, m = float(built.hparams.temperature), loss_tokens(host)
-    full = lambda mdl: np.asarray(mdl(host.input_ids, None, host.attention_mask), np.float64)  # noqa: E731
+
+    def full(mdl):  # [B, T, V] float64 logits of the whole rows
+        return np.asarray(mdl(host.input_ids, None, host.attention_mask), np.float64)
+
     kl, ids = topk_kl64(full(teacher)[:, :-1] / temp, full(model)[:, :-1] / temp, K, W)
     m1 = m[:, 1:]  # column t is scored from position t - 1
     got_ids = np.asarray(data.teacher_topk.ids)[:, 1:]
