@@ -61,15 +61,17 @@ def sequence_logprobs(
     first_scored=1,
     packed=None,
     expert_ids=None,
+    top_k=0,
 ):
     """[B, T] float32 logprobs of `input_ids_bt` under the model (temperature-scaled), through
     `Transformer.token_logprobs` (chunked LM head: no [B, T, V] logits); 0 in the columns
     before `first_scored` (no logits computed there); use_lora=False skips the LoRA adapters
     (the base model). `packed` = (positions, segment_ids, scored) of packed rows: the
     [R, H] logprobs of their scored slots instead. `expert_ids` [B, T, l_moe, k] (an MoE
-    model): the recorded routing, replayed."""
+    model): the recorded routing, replayed. `top_k` > 0: (logprobs, (the top-k logprobs,
+    their ids)) (`Transformer.token_logprobs`: the distillation teacher's)."""
     model = nnx.merge(graphdef, params)
-    kwargs = dict(use_lora=use_lora, first_scored=first_scored, packed=packed)
+    kwargs = dict(use_lora=use_lora, first_scored=first_scored, packed=packed, top_k=top_k)
     if expert_ids is None:
         return model.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs)
     ids = replay.layer_major(expert_ids)
@@ -88,13 +90,15 @@ def policy_logprobs_routed(
     packed=None,
     expert_ids=None,
     replay_ids=False,
+    topk_ids=None,
 ):
     """`sequence_logprobs` of the policy -> (logprobs, MoEOutput, MoESpec) of an MoE model's
     forward (the router stats of the aux losses), (logprobs, None, None) of a dense one.
     `expert_ids` [B, T, l_moe, k]: the recorded routing, compared with the router's choice
-    (MoEOutput.mismatch) and replayed when `replay_ids`."""
+    (MoEOutput.mismatch) and replayed when `replay_ids`. `topk_ids` (top-k distillation): the
+    logprobs are (logprobs, the logits at those ids) (`Transformer.token_logprobs`)."""
     model = nnx.merge(graphdef, params)
-    kwargs = dict(first_scored=first_scored, packed=packed)
+    kwargs = dict(first_scored=first_scored, packed=packed, topk_ids=topk_ids)
     if not isinstance(model, MoETransformer):
         return (
             model.token_logprobs(input_ids_bt, attention_mask_bt, temperature, **kwargs),
@@ -117,11 +121,13 @@ def frozen_logprobs(
     first_scored=1,
     layout=None,
     replay_ids=False,
+    top_k=0,
 ):
     """A no-gradient forward over the whole batch (anything with input_ids, attention_mask and
     token_mask) in `num_chunks` chunks (bounded memory) -> [B, T]; with a packed `layout`,
     over its packed rows, read back to the batch's rows (0 off token_mask). `replay_ids`:
-    route the recorded tokens with the batch's (the layout's) expert_ids."""
+    route the recorded tokens with the batch's (the layout's) expert_ids. `top_k` > 0: (lp,
+    (top-k logprobs, ids) [B, T, k]) (`sequence_logprobs`)."""
     packed = layout is not None
     inputs = layout.tokens() if packed else (batch.input_ids, batch.attention_mask)
     experts = (layout if packed else batch).expert_ids if replay_ids else None
@@ -130,13 +136,14 @@ def frozen_logprobs(
         mb, ids_btlk = xs
         ids, mask, where = (mb[0], None, mb[1:]) if packed else (*mb, None)
         lp = sequence_logprobs(
-            graphdef, params, ids, mask, temperature, use_lora, first_scored, where, ids_btlk
+            graphdef, params, ids, mask, temperature, use_lora, first_scored, where, ids_btlk, top_k
         )
         return None, lp
 
     with jax.named_scope(f"forward_{name}"):
         _, lp_k = scan_chunks(forward, None, chunk_rows((inputs, experts), num_chunks))
-    lp = unchunk_rows(lp_k)
+    lp = jax.tree.map(unchunk_rows, lp_k)
     if packed:
-        lp = packing.unpack_logprobs(lp, layout.row, layout.slot, batch.token_mask)
+        where = dict(row_b=layout.row, slot_b=layout.slot, token_mask_bt=batch.token_mask)
+        lp = jax.tree.map(lambda a: packing.unpack_logprobs(a, **where), lp)
     return jax.lax.stop_gradient(lp)

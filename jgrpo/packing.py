@@ -244,12 +244,13 @@ def pack_batch(batch: TrainBatch, spec: PackSpec) -> PackedBatch:
 
 def unpack_logprobs(lp_rh, row_b, slot_b, token_mask_bt):
     """[B, T] float32: lp_bt[b, t] = lp_rh[row_b, slot_b + (scored tokens of row b before t)]
-    where token_mask_bt > 0, else 0. A gather: its gradient scatters each token's cotangent to
-    its one slot."""
+    where token_mask_bt > 0, else 0 ([R, H, ...] -> [B, T, ...] likewise). A gather: its
+    gradient scatters each token's cotangent to its one slot."""
     scored_bt = token_mask_bt > 0
     slot_bt = slot_b[:, None] + jnp.cumsum(scored_bt, axis=1, dtype=jnp.int32) - 1
     lp_bt = lp_rh[row_b[:, None], jnp.where(scored_bt, slot_bt, 0)]
-    return jnp.where(scored_bt, lp_bt, 0.0)
+    scored = scored_bt.reshape(*scored_bt.shape, *[1] * (lp_rh.ndim - 2))
+    return jnp.where(scored, lp_bt, jnp.zeros((), lp_bt.dtype))
 
 
 def microbatch_of(row_b, num_minibatches: int, num_microbatches: int):

@@ -93,6 +93,8 @@ class StepFlags:
     (model.moe.router_replay; the reference forward routes by its own router)."""
     distill: bool = False
     """The teacher forward and its term of the advantage (`teacher`: jgrpo.distillation)."""
+    distill_top_k: int = 0
+    """distillation.loss top_k: k (the teacher's top-k KL joins the loss, not the advantage)."""
 
     @classmethod
     def from_config(
@@ -121,6 +123,7 @@ class StepFlags:
             record_routing=moe_model and (moe.router_replay or moe.record_routing),
             router_replay=moe_model and moe.router_replay,
             distill=cfg.distillation.teacher is not None and objective == "grpo",
+            distill_top_k=cfg.distillation.top_k if cfg.distillation.loss == "top_k" else 0,
         )
 
 
@@ -213,12 +216,13 @@ class ScoredBatch:
     """The packed rows every forward runs over (None: the rows themselves)."""
     expert_ids: Optional[jax.Array] = None
     """[B, T, l_moe, k] the sampler's recorded experts (flags.record_routing), else None."""
+    teacher_topk: Optional[distillation.TopKTargets] = None
+    """The teacher's top-k targets (flags.distill_top_k), else None."""
 
     def loss_inputs(self) -> dict[str, jax.Array]:
         """The arrays `losses.policy_loss` reads, by name (absent forwards left out)."""
-        fields = (
-            f.name for f in dataclasses.fields(self) if f.name not in ("layout", "expert_ids")
-        )
+        skip = ("layout", "expert_ids", "teacher_topk")
+        fields = (f.name for f in dataclasses.fields(self) if f.name not in skip)
         return {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
 
 
@@ -342,10 +346,12 @@ def prepare_batch(
         kl_bt=kl_bt,
         sample_mask_b=sample_mask_b,
     )
+    topk = None
     if flags.distill:  # `teacher`: a distillation.Teacher
-        advantages_bt, metrics["distill/reverse_kl"] = distillation.add_teacher_term(
-            forward, teacher, prev_bt, batch, sample_mask_b, advantages_bt
+        advantages_bt, distill_metrics, topk = distillation.add_teacher_term(
+            forward, teacher, prev_bt, batch, sample_mask_b, advantages_bt, flags.distill_top_k
         )
+        metrics |= distill_metrics
     metrics.update(batch_statistics(batch, advantages_bt, sample_mask_b))
     data = ScoredBatch(
         input_ids=batch.input_ids,
@@ -358,6 +364,7 @@ def prepare_batch(
         reference_logprobs=ref_bt,
         layout=layout,
         expert_ids=batch.expert_ids,
+        teacher_topk=topk,
     )
     return data, metrics
 
@@ -395,7 +402,14 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
         num_microbatches=flags.num_microbatches,
     )
 
+    def objective_topk(lp_bt, inputs, topk, n_tok):  # + the top-k KL (flags.distill_top_k)
+        if topk is None:
+            return objective(lp_bt, inputs)
+        lp_bt, student_btk = lp_bt
+        return distillation.add_topk_loss(objective(lp_bt, inputs), student_btk, topk, n_tok)
+
     def rows_loss(params, mb: ScoredBatch):
+        topk = mb.teacher_topk
         with jax.named_scope("forward_policy"):
             full = with_frozen(params, frozen)
             lp_bt, routed, spec = policy_logprobs(
@@ -404,8 +418,9 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
                 mb.attention_mask,
                 first_scored=flags.first_scored,
                 expert_ids=mb.expert_ids,
+                topk_ids=None if topk is None else topk.ids,
             )
-        out = router_losses(*objective(lp_bt, mb.loss_inputs()), routed, spec)
+        out = router_losses(*objective_topk(lp_bt, mb.loss_inputs(), topk, n_tok), routed, spec)
         if flags.record_routing:
             mine_bt = replay.recorded_tokens(mb.token_mask, mb.expert_ids)
             out = replay.with_mismatch(out, routed.mismatch, mine_bt, n_rec, spec)
@@ -419,16 +434,28 @@ def microbatch_loss(data: ScoredBatch, hparams: StepHparams, *, flags, graphdef,
 
     def packed_loss(params, xs):
         ((ids_rw, *packed), experts_rwlk), k = xs
-        with jax.named_scope("forward_policy"):
-            lp_rh, routed, spec = policy_logprobs(
-                with_frozen(params, frozen), ids_rw, None, packed=packed, expert_ids=experts_rwlk
-            )
         in_b = k_b == k  # the rows this chunk holds
         tm_bt = data.token_mask * in_b[:, None]
         rows_b = jnp.where(in_b, local_b, 0)
-        lp_bt = packing.unpack_logprobs(lp_rh, rows_b, data.layout.slot, tm_bt)
+        topk = data.teacher_topk
+        if topk is not None:  # its ids to this chunk's packed slots, its weights to its rows
+            ids = distillation.pack_ids(topk.ids, rows_b, data.layout.slot, tm_bt, packed[2].shape)
+            topk = distillation.rows_only(topk, in_b)
+        with jax.named_scope("forward_policy"):
+            lp_rh, routed, spec = policy_logprobs(
+                with_frozen(params, frozen),
+                ids_rw,
+                None,
+                packed=packed,
+                expert_ids=experts_rwlk,
+                topk_ids=None if topk is None else ids,
+            )
+        unpack = functools.partial(
+            packing.unpack_logprobs, row_b=rows_b, slot_b=data.layout.slot, token_mask_bt=tm_bt
+        )
+        lp_bt = jax.tree.map(unpack, lp_rh)
         inputs = data.loss_inputs() | {"sample_mask": data.sample_mask * in_b}
-        out = router_losses(*objective(lp_bt, inputs), routed, spec)
+        out = router_losses(*objective_topk(lp_bt, inputs, topk, n_tok), routed, spec)
         if flags.record_routing:
             where = (packed[2], rows_b, data.layout.slot, tm_bt)
             mismatch_bt = replay.packed_mismatch(routed.mismatch, *where)

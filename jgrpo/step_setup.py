@@ -285,7 +285,11 @@ def build_step(
     if teacher is not None:
         t_graphdef, t_params = place_frozen_model(teacher, mesh, rules)
         coef = jax.device_put(jnp.float32(cfg.distillation.coef), sharding.replicated(mesh))
-        teacher = distillation.Teacher(params=t_params, coef=coef, graphdef=t_graphdef)
+        w = distillation.forward_weight(cfg, model.cfg.vocab_size, teacher.cfg.vocab_size)
+        w = None if w is None else jax.device_put(jnp.float32(w), sharding.replicated(mesh))
+        teacher = distillation.Teacher(
+            params=t_params, coef=coef, graphdef=t_graphdef, forward_weight=w
+        )
     dtype, ref = model.cfg.jnp_dtype, None
     if abstract:
         opt_state = jax.eval_shape(lambda p: tx.init(as_float32(p)), params_abstract)

@@ -539,12 +539,22 @@ def check_turns(cfg: Config) -> None:
 
 
 def check_distillation(cfg: Config) -> None:
-    """distillation: the teacher's name and a positive finite coef (the teacher's folder and
-    tokenizer are checked before the run starts: `jgrpo.distillation.check_teacher`)."""
+    """distillation: the teacher's name, a positive finite coef, the top-k loss's keys (the
+    teacher's folder, tokenizer and vocab_size: `jgrpo.distillation.check_teacher`)."""
     d = cfg.distillation
+    _require(d.top_k >= 1, f"distillation.top_k: must be >= 1, got {d.top_k}")
+    _require(
+        0.0 <= d.mixed_kl_weight <= 1.0,
+        f"distillation.mixed_kl_weight: must lie in [0, 1], got {d.mixed_kl_weight}",
+    )
     if d.teacher is None:
+        _require(d.loss == "sampled_token", "distillation.loss: top_k needs distillation.teacher")
         return
     _require(d.teacher.strip() != "", "distillation.teacher: must name a model (or be null)")
+    _require(
+        d.loss == "sampled_token" or cfg.mesh.context == 1,
+        "distillation.loss: top_k does not run under context parallelism (mesh.context > 1)",
+    )
     _require(
         math.isfinite(d.coef) and d.coef > 0,
         f"distillation.coef: must be a finite number > 0, got {d.coef}",

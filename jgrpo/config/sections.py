@@ -458,7 +458,8 @@ class LoggingConfig:
 @dataclasses.dataclass(**_FROZEN)
 class DistillationConfig:
     """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
-    policy sampled, and coef x (teacher logprob - policy logprob) joins that token's advantage."""
+    policy sampled, and coef x (teacher logprob - policy logprob) joins that token's advantage
+    (loss sampled_token), or coef x a KL over the teacher's top-k tokens joins the loss."""
 
     teacher: Optional[str] = None
     """HF folder, hub id, `smollm2` or `builtin:...` sharing model.path's tokenizer (None = off)."""
@@ -466,6 +467,14 @@ class DistillationConfig:
     """lambda: the per-token term lambda x (log p_teacher - log p_policy) added to the advantage."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Teacher parameter and compute dtype; auto = model.compute_dtype's resolution."""
+    loss: Literal["sampled_token", "top_k"] = "sampled_token"
+    """sampled_token: the term above joins the advantage; top_k: coef x a top-k KL the loss."""
+    top_k: int = 64
+    """loss top_k: k, the teacher's likeliest tokens kept per position (1 <= k <= vocab)."""
+    kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
+    """loss top_k: KL(teacher||policy), KL(policy||teacher) or w x forward + (1-w) x reverse."""
+    mixed_kl_weight: float = 0.5
+    """loss top_k, kl_type mixed: w, the forward KL's weight, in [0, 1]."""
 
 
 @dataclasses.dataclass(**_FROZEN)

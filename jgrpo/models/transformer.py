@@ -28,6 +28,7 @@ from jgrpo.models import context as _context
 from jgrpo.models import kernels as _kernels
 from jgrpo.models import lora as lora_lib
 from jgrpo.models.blockwise import RowMask, blockwise_attention
+from jgrpo.models.head_chunks import from_chunks, to_chunks
 from jgrpo.models.kernels import resolve_kernels
 from jgrpo.models.rope import RopeScaling, apply_rope, rope_tables
 
@@ -418,6 +419,8 @@ class Transformer(nnx.Module):
         use_lora=True,
         first_scored=1,
         packed=None,
+        top_k=0,
+        topk_ids=None,
     ):
         """[b, t] float32 logprob of input_ids_bt[:, t] under softmax(logits[:, t-1] /
         temperature), column 0 = 0: `losses.token_logprobs(self(ids), ids, temperature)`
@@ -435,8 +438,12 @@ class Transformer(nnx.Module):
         would depend on the mesh). Under the trainer's `logit_shardings` the head is
         vocab-parallel (`jgrpo.sharding.LogitShardings`): each device holds a vocab slice in
         its stored dtype (cast inside each chunk, so its gradient sums over chunks in float32)
-        and computes that slice's logits. Otherwise it is cast once, before the loop."""
+        and computes that slice's logits. Otherwise it is cast once, before the loop.
+        Top-k distillation (jgrpo.distillation): `top_k` (static) > 0 -> (logprobs, (top-k
+        logprobs, ids) [b, t, k]); `topk_ids` [b, t, j] -> (logprobs, logits/temp at them)."""
         if self.context_parallel is not None:
+            if top_k > 0 or topk_ids is not None:  # jgrpo.distillation rejects the config
+                raise ValueError("top-k distillation does not run under context parallelism")
             args = (attention_mask_bt, temperature, use_lora, first_scored, packed)
             return _context.token_logprobs(self, input_ids_bt, *args)
         cfg = self.cfg
@@ -454,19 +461,15 @@ class Transformer(nnx.Module):
             return jnp.zeros((b, t if packed is None else 0), jnp.float32)
         c = min(cfg.logprob_chunk_size or n, n)
         k = -(-n // c)
-        targets_bn = jnp.pad(targets_bn, ((0, 0), (0, k * c - n)))
-        x_bnd = jnp.pad(x_bnd, ((0, 0), (0, k * c - n), (0, 0)))
-        x_kbcd = jnp.swapaxes(x_bnd.reshape(b, k, c, -1), 0, 1)
-        targets_kbc = jnp.swapaxes(targets_bn.reshape(b, k, c), 0, 1)
-        lp_kbc = self._chunk_logprobs(x_kbcd, targets_kbc, temperature)
-        lp_bn = jnp.swapaxes(lp_kbc, 0, 1).reshape(b, k * c)[:, :n]
-        if packed is not None:
-            return jnp.where(packed[2] > 0, lp_bn, 0.0)
-        return jnp.pad(lp_bn, ((0, 0), (first, 0)))
+        scored_bn = None if packed is None else packed[2]  # topk_ids: by slot, or by column
+        ids_kbcj = to_chunks(topk_ids, k, c, 0 if packed else first)
+        xs = (to_chunks(x_bnd, k, c), to_chunks(targets_bn, k, c))
+        out = self._chunk_logprobs(*xs, temperature, top_k, ids_kbcj)
+        return jax.tree.map(lambda a: from_chunks(a, n, first, scored_bn), out)
 
-    def _chunk_logprobs(self, x_kbcd, targets_kbc, temperature):
+    def _chunk_logprobs(self, x_kbcd, targets_kbc, temperature, top_k=0, ids_kbcj=None):
         """[k, b, c] logprobs of targets_kbc from the final-normed x_kbcd, chunk by chunk
-        (`token_logprobs`' LM head loop)."""
+        (`token_logprobs`' LM head loop), paired with the top-k or ids_kbcj extras."""
         cfg, k = self.cfg, x_kbcd.shape[0]
         temperature = jnp.asarray(temperature, jnp.float32)
         temperature = jnp.where(temperature > 0, temperature, 1.0)  # greedy: as losses does
@@ -483,7 +486,7 @@ class Transformer(nnx.Module):
             head_vd = head_vd.astype(cfg.jnp_dtype)
 
         def chunk(xs):
-            x_bcd, targets_bc = xs
+            x_bcd, targets_bc, ids_bcj = xs
             x_bcd = self._pin(self._constrain(x_bcd), "rows_bcd")
             logits_bcv = jnp.einsum(
                 "bcd,vd->bcv",
@@ -497,13 +500,19 @@ class Transformer(nnx.Module):
                 hit_bcv = vocab_v == targets_bc[..., None]
                 picked_bc = jnp.sum(jnp.where(hit_bcv, logits_bcv, 0.0), axis=-1)
             else:
-                picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)
-                picked_bc = picked_bc[..., 0]
-            return self._pin(picked_bc - jax.nn.logsumexp(logits_bcv, axis=-1), "out_bc")
+                picked_bc = jnp.take_along_axis(logits_bcv, targets_bc[..., None], axis=-1)[..., 0]
+            lse_bc = jax.nn.logsumexp(logits_bcv, axis=-1)
+            lp_bc = self._pin(picked_bc - lse_bc, "out_bc")
+            if top_k > 0:  # the teacher's k largest logits, as logprobs, and their ids
+                top_bck, ids_bck = jax.lax.top_k(logits_bcv, top_k)
+                return lp_bc, (top_bck - lse_bc[..., None], ids_bck)
+            if ids_bcj is None:
+                return lp_bc
+            return lp_bc, jnp.take_along_axis(logits_bcv, ids_bcj, axis=-1)  # the student's
 
         if k > 1:  # one chunk: no recompute (the docstring)
             chunk = jax.checkpoint(chunk, prevent_cse=False)
-        return jax.lax.map(chunk, (x_kbcd, targets_kbc))
+        return jax.lax.map(chunk, (x_kbcd, targets_kbc, ids_kbcj))
 
     def prefill(
         self, input_ids_bt, positions_bt, attention_mask_bt, cache_len: int, last_layer=None
