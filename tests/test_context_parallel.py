@@ -9,6 +9,7 @@ padded and packed rows, the reference and prev forwards, LoRA; 512-token rows on
 a 2-process pod."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,23 @@ def test_two_process_pod_with_context_matches_one_process(tmp_path):
     for a, b in zip(got, want):
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+
+
+def row_gathers(hlo: str, t: int) -> list[tuple[int, ...]]:
+    """The result shapes of the all-gathers in compiled `hlo` that hold whole t-token rows
+    (axis 1 = t): the attention's keys, values, valid keys and segment ids [b, t(, k, h)], and
+    a [b, t, d] activation if a layer gathers one."""
+    shapes = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} all-gather(?:-start)?\(", hlo)
+    shapes = [tuple(int(n) for n in s.split(",")) for s in shapes]
+    return [s for s in shapes if len(s) > 1 and s[1] == t]
+
+
+@pytest.mark.heavy
+def test_layers_gather_no_whole_row_activation():
+    """On data 2 x fsdp 2 x context 2 the compiled step gathers whole rows only for the
+    attention's keys, values and masks (rank 4 and 2): no layer gathers a [b, t, d] activation
+    (a flattening of t split over context did, `transformer._project`)."""
+    built = build(False, (2, 2, 2, 1))
+    hlo = built.step_fn.lower(*built.abstract_args()).compile().as_text()
+    ranks = {len(s) for s in row_gathers(hlo, host_batch(0)["input_ids"].shape[1])}
+    assert ranks == {2, 4}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import TINY_MODEL_FIELDS
 from flax import nnx
-from test_context_parallel import KL, SPLIT, assert_same, padded_rows, scored
+from test_context_parallel import KL, SPLIT, assert_same, padded_rows, row_gathers, scored
 from test_packing import BASE, batch_math, host_batch
 from test_router_replay import rollout, run_step
 
@@ -109,6 +109,12 @@ ROUTER = ["model.moe.router_aux_loss_coef=0.05", "model.moe.router_z_loss_coef=0
 
 def moe_step_math(packed, mesh_shape=(1, 1, 1, 1)):
     """test_packing.step_math on the 2-layer tiny MoE: (first minibatch's gradients, metrics)."""
+    built = moe_build(packed, mesh_shape)
+    ref = jax.tree.map(lambda x: x * 0.9, built.state.params)
+    return batch_math(built, TrainBatch(**host_batch(0)), ref)
+
+
+def moe_build(packed, mesh_shape):
     data, fsdp, context, tensor = mesh_shape
     split = SPLIT if context > 1 else []
     overrides = [*BASE, *KL, *ROUTER, *split, f"grpo.sequence_packing={packed}"]
@@ -116,9 +122,7 @@ def moe_step_math(packed, mesh_shape=(1, 1, 1, 1)):
     mesh_cfg = MeshConfig(data=data, fsdp=fsdp, context=context, tensor=tensor)
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[: data * fsdp * context * tensor])
     fields = dict(attention_block_size=3, logprob_chunk_size=3) if context > 1 else {}
-    built = step_setup.build_step(cfg.replace(mesh=mesh_cfg), tiny_moe(seed=0, **fields), mesh=mesh)
-    ref = jax.tree.map(lambda x: x * 0.9, built.state.params)
-    return batch_math(built, TrainBatch(**host_batch(0)), ref)
+    return step_setup.build_step(cfg.replace(mesh=mesh_cfg), tiny_moe(seed=0, **fields), mesh=mesh)
 
 
 MESHES = [(1, 1, 2, 1), (2, 2, 2, 1), (1, 2, 4, 1), (1, 2, 2, 2), (1, 4, 2, 1)]
@@ -200,3 +204,13 @@ def test_top_k_ids_are_lax_top_k():
     for k in (1, 3):
         want = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[1])
         np.testing.assert_array_equal(np.asarray(moe_lib.top_k_ids(jnp.asarray(x), k)), want)
+
+
+@pytest.mark.heavy
+def test_moe_layers_gather_no_whole_row_activation():
+    """test_context_parallel's check on the MoE step (experts over fsdp): whole rows are
+    gathered only for the attention's keys, values and masks."""
+    built = moe_build(False, (2, 2, 2, 1))
+    hlo = built.step_fn.lower(*built.abstract_args()).compile().as_text()
+    ranks = {len(s) for s in row_gathers(hlo, host_batch(0)["input_ids"].shape[1])}
+    assert ranks == {2, 4}

@@ -14,10 +14,27 @@ gradients. The LM head scores every slot against the token after it in the row, 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
 from jgrpo.models.blockwise import RowMask, blockwise_attention_at
+
+# True while a model traces its layers on rows split over context (`rows_split`)
+ROWS_SPLIT = contextvars.ContextVar("rows_split", default=False)
+
+
+@contextlib.contextmanager
+def rows_split(split: bool = True):
+    """While tracing inside, `transformer._project` keeps [b, t] (no flattening): a reshape of t,
+    split over context, makes XLA all-gather the whole row's activations before every dot."""
+    token = ROWS_SPLIT.set(split)
+    try:
+        yield
+    finally:
+        ROWS_SPLIT.reset(token)
 
 
 def zigzag(x, c: int):
