@@ -22,15 +22,15 @@ import jax.numpy as jnp
 
 from jgrpo.models.blockwise import RowMask, blockwise_attention_at
 
-# True while a model traces its layers on rows split over context (`rows_split`)
+# True while `token_logprobs` traces a model's layers on its split rows (`rows_split`)
 ROWS_SPLIT = contextvars.ContextVar("rows_split", default=False)
 
 
 @contextlib.contextmanager
-def rows_split(split: bool = True):
+def rows_split():
     """While tracing inside, `transformer._project` keeps [b, t] (no flattening): a reshape of t,
     split over context, makes XLA all-gather the whole row's activations before every dot."""
-    token = ROWS_SPLIT.set(split)
+    token = ROWS_SPLIT.set(True)
     try:
         yield
     finally:
@@ -113,9 +113,9 @@ def token_logprobs(model, input_ids_bt, attention_mask_bt, temperature, use_lora
         positions, seg_bt = packed[0], packed[1]
         valid, segments = seg_bt > 0, (zigzag(positions, c), zigzag(seg_bt, c))
     targets_bt = jnp.pad(input_ids_bt[:, 1:], ((0, 0), (0, 1)))  # the token after each slot
-    hidden = model._hidden(
-        zigzag(input_ids_bt, c), zigzag(positions, c), zigzag(valid, c), use_lora, segments, True
-    )
+    rows = zigzag(input_ids_bt, c), zigzag(positions, c), zigzag(valid, c)
+    with rows_split():  # the layers keep [b, t]
+        hidden = model._hidden(*rows, use_lora, segments, True)
     x_btd = model._final_norm(hidden)
     per = t // c  # each device's slots, scored in chunks that stay on it
     size = min(cfg.logprob_chunk_size or per, per)

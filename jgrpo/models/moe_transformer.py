@@ -270,8 +270,7 @@ class MoETransformer(Transformer):
             p = {name: w[i0:i1] for name, w in attn_stack.items()}
             m = {name: w[j0:j1] for name, w in self._mlp_params(sparse).items()}
             ids = None if expert_ids is None or not sparse else expert_ids[j0:j1]
-            with _context.rows_split(context):  # [b, t] kept (no row gathers)
-                x_btd, out = jax.lax.scan(layer, x_btd, (p, m, ids))
+            x_btd, out = jax.lax.scan(layer, x_btd, (p, m, ids))
             keys.append(out[0])
             values.append(out[1])
             if sparse:

@@ -141,16 +141,13 @@ def attention(q_btnh, k_bskh, v_bskh, mask: RowMask, cfg: TransformerConfig):
 
 
 def _project(x, w, contract: int = 1):
-    """x [..., K] @ w [K, ...] with K = w's first `contract` axes (x's last ones), as ONE 2-D
-    dot over the flattened tokens: [tokens, K] @ [K, out]. Left as an einsum over b, t XLA:CPU
-    transposes operands of the backward's weight-gradient dots (two contracting axes, b and t);
-    the 2-D form avoids that, same math (docs/performance.md). Under `context.rows_split()` it
-    is that einsum: flattening t split over context makes XLA all-gather a whole row per dot."""
+    """x [..., K] @ w [K, ...], K = w's first `contract` axes: one 2-D dot over the flattened
+    tokens (XLA:CPU transposes an einsum's b, t weight-gradient dots; docs/performance.md), the
+    einsum under `context.rows_split()` (flattening t split over context gathers whole rows)."""
     if _context.ROWS_SPLIT.get():
         return jnp.tensordot(x, w, axes=contract)
-    k_shape = w.shape[:contract]
-    lead = x.shape[: x.ndim - contract]
-    y = jnp.dot(x.reshape(-1, math.prod(k_shape)), w.reshape(math.prod(k_shape), -1))
+    k, lead = math.prod(w.shape[:contract]), x.shape[: x.ndim - contract]
+    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*lead, *w.shape[contract:])
 
 
@@ -397,8 +394,7 @@ class Transformer(nnx.Module):
             views = {} if cfg.remat == "none" else _kernels.uint16_views({"x": x_btd}, path)
             return layer((views.get("x"), x_btd), xs)
 
-        with _context.rows_split(context):
-            x_btd, _ = jax.lax.scan(body, self._constrain(x_btd), (stacked, bits))
+        x_btd, _ = jax.lax.scan(body, self._constrain(x_btd), (stacked, bits))
         return x_btd
 
     def __call__(self, input_ids_bt, positions_bt=None, attention_mask_bt=None, *, use_lora=True):
