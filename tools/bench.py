@@ -50,10 +50,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/: bench_sampler, bench_packing
+
+from bench_limits import generation_flops, machine_limits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = Path(__import__("jgrpo").__file__).resolve().parents[1]
@@ -76,31 +76,6 @@ STEPS_PER_ROUND = {"tiny": 3, "smollm2": 2}
 """Timed steps per variant and round (--steps overrides). Tiny steps also run one untimed
 step after each switch of variant (caches, threads); a SmolLM2 step is long enough to need none."""
 VARIANTS = {"on-policy": ["loss.force_on_policy_ratio=true"], "off-policy": []}
-
-
-# ------------------------------------------------------------------------ machine limits
-def median_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile, warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def machine_limits(repeats: int) -> dict:
-    n = 2048
-    a = jnp.asarray(np.random.RandomState(0).rand(n, n), jnp.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul_s = median_time(lambda: matmul(a, a), repeats)
-    big = jnp.ones((2**27,), jnp.float32)  # 512 MiB
-    total = jax.jit(jnp.sum)
-    read_s = median_time(lambda: total(big), repeats)
-    return {
-        "matmul_flops_per_s": 2 * n**3 / matmul_s,
-        "memory_read_bytes_per_s": big.nbytes / read_s,
-    }
 
 
 # ------------------------------------------------------------------------ GRPO steps
@@ -163,26 +138,6 @@ PHASES = {
     "train": "perf/train_s",
     "weight sync": "perf/weight_sync_s",
 }
-
-
-def generation_flops(model_cfg, rows: int, prompt: int, new: int) -> float:
-    """Matmul flops of sampling `new` tokens for `rows` rows after a `prompt`-token prefill:
-    each token's projections, MLP and LM head (2 x their weights), plus attention over the
-    cache (4 x heads x head_dim x positions attended, per layer)."""
-    m = model_cfg
-    per_token = 2 * (
-        m.num_layers
-        * (
-            m.hidden_size * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-            + m.num_heads * m.head_dim * m.hidden_size
-            + 3 * m.hidden_size * m.intermediate_size
-        )
-        + m.hidden_size * m.vocab_size
-    )
-    attention = 4 * m.num_layers * m.num_heads * m.head_dim
-    prefill = prompt * per_token + attention * prompt * (prompt + 1) / 2
-    decode = sum(per_token + attention * (prompt + i) for i in range(1, new))
-    return float(rows * (prefill + decode))
 
 
 def bench_steps(size: str, rounds: int, steps_per_round: int, workdir: Path, limits: dict):

@@ -25,9 +25,9 @@ the three samplers and of the two train steps alternates by round): the samplers
 train steps on that round's rows (host packing and the batch's transfer included). Medians over
 rounds of each phase and of each side's whole step (sampler + train step of the same round).
 Flops from the shapes: the train step's executed matmul flops of each layout
-(`inspect_step.analytic_flops`), the sampler's useful ones (`bench.generation_flops` of each
+(`inspect_step.analytic_flops`), the sampler's useful ones (`bench_limits.generation_flops` of each
 row's own length; the padding a sampler decodes is not counted), as GFLOP/s beside the float32
-matmul limit `bench.machine_limits` measures in the same run.
+matmul limit `bench_limits.machine_limits` measures in the same run.
 
     python tools/bench_packing.py [--shapes tiny,smollm2] [--cap 256] [--rounds 3]
         [--workloads skewed,uniform] [--slots S] [--samplers slots,compact]
@@ -161,7 +161,7 @@ class Trainer:
 
 def sampler_flops(model_cfg, lengths_b) -> float:
     """Useful matmul flops of sampling: each row's prefill and its own generated tokens."""
-    from bench import generation_flops  # tools/bench.py
+    from bench_limits import generation_flops
 
     return float(sum(generation_flops(model_cfg, 1, PROMPT, int(n)) for n in lengths_b))
 
@@ -413,11 +413,11 @@ def main(argv=None) -> dict:
         ap.error(f"--shapes from {sorted(SHAPES)}, --workloads from {list(WORKLOADS)}")
     if set(samplers) - set(SAMPLERS):
         ap.error(f"--samplers from {list(SAMPLERS)}")
-    import bench  # tools/bench.py: this machine's limits, measured as `make bench` does
+    from bench_limits import machine_limits  # this machine's limits, as `make bench` measures
 
     start_load = os.getloadavg()
     start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    limits = bench.machine_limits(5)
+    limits = machine_limits(5)
     report = {}
     for shape in shapes:
         prompts = args.smollm2_prompts if shape == "smollm2" else SHAPES[shape][1]

@@ -582,7 +582,7 @@ def main(argv=None) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(TOOLS), str(ROOT), os.environ.get("PYTHONPATH")])
     )
-    import bench
+    from bench_limits import machine_limits
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report = {
@@ -594,7 +594,7 @@ def main(argv=None) -> dict:
         "cores": len(os.sched_getaffinity(0)),
         "avx512": "avx512" in cpuinfo,
         "load_before": os.getloadavg()[0],
-        "machine": bench.machine_limits(5),
+        "machine": machine_limits(5),
         "shapes": {},
     }
     workdir = Path(args.out) / "work"

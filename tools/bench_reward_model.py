@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench import TREE, Stepper, machine_limits
+from bench import TREE, Stepper
+from bench_limits import machine_limits
 
 RAY = ["rollout.backend=ray", "rollout.num_workers=1", "rollout.num_cpus_per_worker=1"]
 SCHEDULES = {

@@ -426,7 +426,7 @@ def main(argv=None):
         return
     config = args.config or ("A" if args.quick else "all")
     if args.slots:
-        from bench import machine_limits  # tools/: the limits `make bench` reports
+        from bench_limits import machine_limits  # tools/: the limits `make bench` reports
 
         limits = machine_limits(3 if args.quick else 10)
         print(

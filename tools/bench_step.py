@@ -15,7 +15,7 @@ the compiled step's arguments and temporaries (XLA's memory analysis).
 
 `--phases` splits the on-policy train step of a model (default SmolLM2-135M, 16 rows of a
 32-token prompt + 32 completion tokens, `model.remat: dots` as the CPU configs) into programs
-compiled and timed alone, each against this machine's float32 matmul limit (`bench.py`'s
+compiled and timed alone, each against this machine's float32 matmul limit (`bench_limits.py`'s
 probe, measured in the same run): the policy forward (the logprobs the loss reads), forward +
 backward (the microbatch gradients, `step.accumulate_gradients`), the whole step (+ the
 optimizer update: its time = step - gradients), and the LM head + log-softmax alone (forward
@@ -293,7 +293,7 @@ def print_phases(phases: dict, title: str) -> None:
 
 def main_phases(args) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import machine_limits
+    from bench_limits import machine_limits
 
     limit = machine_limits(5)["matmul_flops_per_s"]
     cfg = phases_config(args.model, args.rows, args.prompt, args.new)

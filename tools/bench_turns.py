@@ -15,7 +15,7 @@ tokens (greedy, EOS ignored) each answered by an R-token reply. Two ways to run 
 Both sides run the same model and kernels, jitted, with the same G decode steps per turn; what
 differs is prefill(conversation) vs (R + 1) decode steps. Reported: per configuration, the
 median time of turns 2..T (each side's calls interleaved in rounds, after one compile call),
-and the machine's limits (tools/bench.py's `machine_limits`).
+and the machine's limits (tools/bench_limits.py's `machine_limits`).
 
     python tools/bench_turns.py            # tiny (d 64) and SmolLM2-135M, 3 turns
     python tools/bench_turns.py --quick    # tiny only, fewer rounds
@@ -190,7 +190,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None, help="also write the report as JSON here")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench import machine_limits
+    from bench_limits import machine_limits
 
     report = {"backend": jax.default_backend(), "machine": machine_limits(3 if args.quick else 5)}
     rounds = 3 if args.quick else 5
